@@ -1,0 +1,24 @@
+"""gradq — gradient quantization for data-parallel PyTorch.
+
+Build any scheme from a spec string and move its bytes::
+
+    import gradq
+    q = gradq.build("qsgd:bits=4,bucket=512")
+    payload = q.encode(grad, seed=0)      # packed bytes + scales; payload.nbytes is what crosses the wire
+    approx = q.decode(payload)            # same shape, dtype and device as grad
+
+``gradq.available()`` lists every scheme; ``docs/algorithms.md`` states their math and wire sizes.
+"""
+
+from .errors import GradqError, NonFiniteError, PayloadError, SpecError
+from .payload import Payload
+from .quantizers import Quantizer, SharedStat, SummableQuantizer
+from .spec import available, build, registry
+from .transforms import ErrorFeedback
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "build", "available", "registry", "Quantizer", "SummableQuantizer", "SharedStat", "Payload",
+    "ErrorFeedback", "GradqError", "SpecError", "PayloadError", "NonFiniteError", "__version__",
+]

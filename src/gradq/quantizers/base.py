@@ -1,0 +1,336 @@
+"""The quantizer interface every scheme implements.
+
+A quantizer is pure math: it never touches the network. It turns a tensor into a :class:`Payload`
+(``encode``) and back (``decode``), and declares
+
+* ``unbiased`` — whether ``E[decode(encode(x))] = x`` (over the encode's randomness);
+* ``summable`` — whether integer codes from different workers may be added inside an all-reduce,
+  *provided* the quantities in :meth:`Quantizer.shared_stats` were first reduced across workers
+  (e.g. the MAX of per-bucket norms); such quantizers also offer :meth:`SummableQuantizer.encode_codes`
+  and :meth:`SummableQuantizer.decode_codes`;
+* :meth:`Quantizer.shared_stats` — what must be shared, and with which reduction. In a single process
+  nothing needs sharing: ``encode`` falls back to the tensor's own values.
+
+Subclasses implement ``_encode(v, ctx) -> fields`` and ``_decode(fields, numel) -> v̂`` on flat float32
+vectors; the base class validates inputs (finite, floating point), resolves randomness, builds the
+payload and restores shape, dtype and device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..errors import NonFiniteError, PayloadError, SpecError
+from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
+from ..random import RandomStream, resolve_seed
+from ..spec import BoolParam, Param, format_value
+
+__all__ = ["Quantizer", "SummableQuantizer", "SharedStat", "EncodeContext", "check_finite"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_EF_PARAM = BoolParam("ef", False, "wrap in error feedback (same as ef(...))")
+
+
+class SharedStat(NamedTuple):
+    """A quantity that workers must agree on before encoding: its local ``value`` and the
+    reduction (``"max"``, ``"min"`` or ``"sum"``) that combines the workers' values."""
+
+    value: torch.Tensor
+    op: str
+
+
+@dataclass
+class EncodeContext:
+    """Everything an encode call may use besides the vector itself."""
+
+    rng: RandomStream
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_seed: Optional[int] = None
+    name: Optional[str] = None
+
+
+def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
+    """Raise :class:`NonFiniteError` naming the tensor if ``x`` holds NaN or Inf."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        label = f"tensor {name!r}" if name else "the input tensor"
+        raise NonFiniteError(
+            f"{label} holds {nan} NaN and {inf} Inf values out of {x.numel()}; "
+            "gradq does not encode non-finite gradients (skip the step or fix the model)")
+
+
+class Quantizer:
+    """Base class of every gradq quantizer (see the module docstring)."""
+
+    name: ClassVar[str] = "?"
+    params: ClassVar[tuple[Param, ...]] = ()
+    #: whether E[decode(encode(x))] == x; may be overridden by a property
+    unbiased: ClassVar[bool] = False
+    #: whether integer codes can be summed across workers once shared_stats are shared
+    summable: ClassVar[bool] = False
+    #: whether ``build(name)`` wraps this scheme in error feedback by default (1BitSGD)
+    default_ef: ClassVar[bool] = False
+    #: whether shared_stats/encode need a seed common to all workers (e.g. shared random coordinates)
+    needs_shared_seed: ClassVar[bool] = False
+    #: whether the scheme is meant to see one layer per call (TernGrad's layer-wise scalers)
+    layerwise: ClassVar[bool] = False
+
+    def __init__(self, **values: Any) -> None:
+        known = {p.name: p for p in self.params}
+        for key in values:
+            if key not in known:
+                raise SpecError(f"{self.name} has no parameter {key!r}; valid: {', '.join(known) or 'none'}")
+        self._values: dict[str, Any] = {}
+        for p in self.params:
+            v = values.get(p.name, p.default)
+            try:
+                self._values[p.name] = p.check(v)
+            except SpecError as e:
+                raise SpecError(f"{self.name}: {e}") from None
+            setattr(self, p.name, self._values[p.name])
+
+    # -- spec --------------------------------------------------------------------------------------
+    @classmethod
+    def from_params(cls, text: Mapping[str, str]) -> "Quantizer":
+        """Build from a spec's ``key=value`` texts, handling the generic ``ef`` option."""
+        text = dict(text)
+        ef_text = text.pop("ef", None)
+        known = {p.name: p for p in cls.params}
+        values: dict[str, Any] = {}
+        for key, val in text.items():
+            p = known.get(key)
+            if p is None:
+                valid = ", ".join([*known, "ef"])
+                raise SpecError(f"{cls.name} has no parameter {key!r}; valid: {valid}")
+            try:
+                values[key] = p.parse(val)
+            except SpecError as e:
+                raise SpecError(f"{cls.name}: {e}") from None
+        q = cls(**values)
+        ef = cls.default_ef if ef_text is None else _EF_PARAM.parse(ef_text)
+        if ef:
+            from ..transforms import ErrorFeedback
+
+            return ErrorFeedback(q)
+        return q
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        """``(name, text)`` pairs of the canonical spec; override to drop redundant spellings."""
+        return [(p.name, p.format(self._values[p.name])) for p in self.params]
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string (every parameter, declaration order)."""
+        parts = [f"{k}={v}" for k, v in self._spec_items()]
+        if self.default_ef:
+            parts.append("ef=0")
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def __repr__(self) -> str:
+        return f"gradq.build({self.spec!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, str(self)))
+
+    def get_params(self) -> dict[str, Any]:
+        """The parameter values, by name."""
+        return dict(self._values)
+
+    # -- what must be shared -----------------------------------------------------------------------
+    def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
+                     name: Optional[str] = None) -> dict[str, SharedStat]:
+        """Quantities the workers must reduce before encoding ``x`` (empty for most schemes)."""
+        v = self._flatten(x, name)
+        return self._shared_stats(v, shared_seed)
+
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        return {}
+
+    # -- encode / decode ---------------------------------------------------------------------------
+    def _flatten(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{self.name}: expected a floating-point tensor "
+                            f"(float16, bfloat16, float32, float64), got {x.dtype}")
+        check_finite(x, name)
+        return x.detach().reshape(-1).to(torch.float32)
+
+    def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
+               generator: Optional[torch.Generator] = None,
+               shared: Optional[Mapping[str, torch.Tensor]] = None,
+               shared_seed: Optional[int] = None, name: Optional[str] = None) -> Payload:
+        """Encode ``x`` into a :class:`Payload`.
+
+        Args:
+            x: a floating-point tensor of any shape (float16/bfloat16/float32/float64), on any device.
+            seed / generator: randomness of this call (at most one); neither draws a seed from
+                torch's global generator. The same seed gives the same bytes.
+            shared: reduced values of :meth:`shared_stats` (e.g. the MAX over workers of the scales);
+                omitted, the tensor's own values are used.
+            shared_seed: a seed common to all workers, for schemes with ``needs_shared_seed``
+                (omitted, one is derived from this call's randomness and sent in the payload).
+            name: the tensor's name, used in error messages and as the key of per-tensor state.
+
+        Raises:
+            NonFiniteError: ``x`` holds NaN or Inf.
+            TypeError: ``x`` is not a floating-point tensor.
+        """
+        v = self._flatten(x, name)
+        rng = RandomStream(resolve_seed(seed, generator))
+        if self.needs_shared_seed and shared_seed is None:
+            shared_seed = rng.child(0x5EED).seed
+        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
+        own = self._shared_stats(v, shared_seed)
+        if shared is None:
+            ctx.shared = {k: s.value for k, s in own.items()}
+        else:
+            ctx.shared = self._check_shared(shared, own)
+        fields = self._encode(v, ctx)
+        return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
+
+    def _check_shared(self, shared: Mapping[str, torch.Tensor],
+                      own: Mapping[str, SharedStat]) -> dict[str, torch.Tensor]:
+        if set(shared) != set(own):
+            raise ValueError(f"{self.name}: shared= must hold exactly {sorted(own)}, got {sorted(shared)}")
+        out = {}
+        for k, stat in own.items():
+            val = torch.as_tensor(shared[k])
+            if val.shape != stat.value.shape:
+                raise ValueError(f"{self.name}: shared[{k!r}] has shape {tuple(val.shape)}, "
+                                 f"expected {tuple(stat.value.shape)}")
+            out[k] = val.to(device=stat.value.device, dtype=stat.value.dtype)
+        return out
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        """Decode a payload made by an equal quantizer; returns a tensor of the original shape,
+        dtype and device (the device of the payload's fields)."""
+        if not isinstance(payload, Payload):
+            raise TypeError(f"{self.name}: expected a gradq Payload, got {type(payload).__name__}")
+        if payload.spec != self.spec:
+            raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
+        self._check_fields(payload)
+        v = self._decode(payload.fields, payload.numel)
+        return v.reshape(payload.shape).to(payload.dtype)
+
+    def roundtrip(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``decode(encode(x, **kwargs))``."""
+        return self.decode(self.encode(x, **kwargs))
+
+    # -- wire layout -------------------------------------------------------------------------------
+    def field_layout(self, numel: int) -> Optional[dict[str, tuple[torch.dtype, int]]]:
+        """Field name → (dtype, element count) for a tensor of ``numel`` coordinates, in wire order;
+        ``None`` when sizes depend on the data (variable-length codes)."""
+        return None
+
+    def wire_fields(self, numel: int) -> tuple[str, ...]:
+        """Names of the payload's fields, in wire order."""
+        layout = self.field_layout(numel)
+        if layout is None:
+            raise NotImplementedError(f"{self.name} must define wire_fields")
+        return tuple(layout)
+
+    def expected_nbytes(self, numel: int) -> Optional[int]:
+        """Wire bytes of a payload for ``numel`` coordinates, or ``None`` if data-dependent."""
+        layout = self.field_layout(numel)
+        if layout is None:
+            return None
+        data = sum(cnt * torch.empty((), dtype=dt).element_size() for dt, cnt in layout.values())
+        return HEADER_BYTES + FIELD_HEADER_BYTES * len(layout) + data
+
+    def payload_from_bytes(self, buf: torch.Tensor | bytes, shape: Sequence[int],
+                           dtype: torch.dtype = torch.float32) -> Payload:
+        """Parse bytes from :meth:`Payload.to_bytes` made by this quantizer."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        p = Payload.from_bytes(buf, names=self.wire_fields(numel), spec=self.spec, shape=shape, dtype=dtype)
+        self._check_fields(p)
+        return p
+
+    def _check_fields(self, payload: Payload) -> None:
+        layout = self.field_layout(payload.numel)
+        if layout is None:
+            return
+        if tuple(payload.fields) != tuple(layout):
+            raise PayloadError(f"{self.name}: payload fields {list(payload.fields)} != expected {list(layout)}")
+        for k, (dt, cnt) in layout.items():
+            t = payload.fields[k]
+            if t.dtype != dt or t.numel() != cnt:
+                raise PayloadError(f"{self.name}: field {k!r} is {t.dtype}[{t.numel()}], expected {dt}[{cnt}]")
+
+    # -- subclass hooks ----------------------------------------------------------------------------
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SummableQuantizer(Quantizer):
+    """A quantizer whose integer codes from different workers add up, once the
+    :meth:`shared_stats` are reduced across workers.
+
+    Protocol: every worker computes ``shared_stats``, the stats are reduced with their ``op``,
+    every worker calls ``encode_codes(x, shared=reduced)``, the integer codes are summed over the
+    ``M`` workers (``|sum| <= M * max_code``), and ``decode_codes(sum, shared=reduced, count=M)``
+    returns the average of the workers' decoded tensors.
+    """
+
+    summable: ClassVar[bool] = True
+
+    @property
+    def max_code(self) -> int:
+        """Largest absolute value of one worker's integer code."""
+        raise NotImplementedError
+
+    def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
+                     seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                     shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
+        """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats."""
+        v = self._flatten(x, name)
+        rng = RandomStream(resolve_seed(seed, generator))
+        if self.needs_shared_seed and shared_seed is None:
+            raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
+        own = self._shared_stats(v, shared_seed)
+        sh = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        return self._codes(v, EncodeContext(rng=rng, shared=sh, shared_seed=shared_seed, name=name))
+
+    def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
+                     like: Optional[torch.Tensor] = None, numel: Optional[int] = None,
+                     shared_seed: Optional[int] = None) -> torch.Tensor:
+        """The average of ``count`` workers' decoded tensors, from the SUM of their codes.
+
+        ``like`` (a tensor of the original shape/dtype) or ``numel`` gives the output size."""
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        if like is not None:
+            numel = like.numel()
+        if numel is None:
+            raise ValueError("pass like= or numel=")
+        v = self._decode_codes(codes.to(torch.float32), dict(shared), int(numel), shared_seed) / count
+        if like is not None:
+            return v.reshape(like.shape).to(like.dtype)
+        return v
+
+    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
+                      shared_seed: Optional[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def describe_params(cls: type[Quantizer]) -> str:
+    """A human-readable list of a quantizer class's parameters and defaults."""
+    return ", ".join(f"{p.name}={format_value(p.default)}" for p in cls.params)

@@ -1,0 +1,85 @@
+"""All-reduce-compatible quantizers of paper 002 (Vineeth S): QSGDMaxNorm (§3.1).
+
+**QSGDMaxNorm.** Every worker scales by the same ``w = max_m ‖g^m‖`` (a MAX all-reduce of the
+per-bucket norms; in one process, the vector's own norm), so its codes
+
+    c_i = sgn(v_i) · ξ_i,   ξ_i = |v_i|·s/w stochastically rounded to an integer in [0, s]
+
+can be summed across workers: the average is ``w·(Σ_m c^m)/(s·M)``. Unbiased, with
+``E‖Q(v) − v‖² ≤ min(n/s², √n/s)·w²`` for the L2 norm (Lemma 1 states the looser ``(1 + …)·w²``).
+The paper analyses the L2 norm; its public code uses max-abs, our default.
+
+Wire per worker: packed ``width``-bit codes + one float32 ``w`` per bucket; inside a SUM all-reduce
+the codes travel as integers of the narrowest type that holds ``±M·s``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..spec import IntParam, register
+from .base import EncodeContext, SharedStat, SummableQuantizer
+from ._common import bucket_norms, bucket_view, code_width, num_buckets
+from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode
+
+__all__ = ["MaxNorm", "check_shared_scale"]
+
+
+def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> None:
+    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one."""
+    if shared.numel() and bool((shared < own * (1 - 1e-6)).any()):
+        raise ValueError(f"{name}: the shared scale is below this worker's own norm; "
+                         "it must be the MAX over workers of shared_stats()['scale']")
+
+
+@register("maxnorm")
+class MaxNorm(SummableQuantizer):
+    """QSGDMaxNorm: QSGD with a scale shared by all workers, so codes can be summed.
+
+    Spec: ``maxnorm:bits=4,bucket=none,norm=max`` (defaults). Shared: ``scale`` (MAX).
+    """
+
+    params = (BITS, LEVELS, IntParam("bucket", None, "bucket size (none = whole tensor)", allow_none=True, lo=1),
+              NORM)
+    unbiased = True
+
+    def __init__(self, bits: Optional[int] = None, levels: Optional[int] = None, bucket: Optional[int] = None,
+                 norm: str = "max") -> None:
+        super().__init__(bits=bits, levels=levels, bucket=bucket, norm=norm)
+        self.s = resolve_levels(self.name, self.bits, self.levels)
+        self.width = code_width(2 * self.s + 1)
+
+    @property
+    def max_code(self) -> int:
+        return self.s
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        return levels_spec_items(self.s) + [(k, v) for k, v in super()._spec_items() if k not in ("bits", "levels")]
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"codes": (torch.uint8, packed_nbytes(numel, self.width)),
+                "scales": (torch.float32, num_buckets(numel, self.bucket))}
+
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        return {"scale": SharedStat(bucket_norms(bucket_view(v, self.bucket), self.norm), "max")}
+
+    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+        mat = bucket_view(v, self.bucket)
+        scale = ctx.shared["scale"]
+        check_shared_scale(self.name, scale, bucket_norms(mat, self.norm))
+        return uniform_codes(mat, scale, self.s, ctx.rng).reshape(-1)[: v.numel()]
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        codes = self._codes(v, ctx)
+        return {"codes": pack_bits(codes + self.s, self.width), "scales": ctx.shared["scale"].to(torch.float32)}
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        codes = unpack_bits(fields["codes"], self.width, numel) - self.s
+        return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
+
+    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
+                      shared_seed: Optional[int]) -> torch.Tensor:
+        return uniform_decode(codes, shared["scale"], self.s, numel, self.bucket)
