@@ -150,7 +150,8 @@ class Payload:
         element count or any length mismatch; never reads outside ``buf``.
         """
         if isinstance(buf, (bytes, bytearray)):
-            buf = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+            buf = (torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf)
+                   else torch.empty(0, dtype=torch.uint8))
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise PayloadError("payload bytes must be a 1-D uint8 tensor")
         total = buf.numel()

@@ -34,6 +34,11 @@ def _check_width(width: int) -> None:
         raise ValueError(f"bit width must be an integer in [1, 8], got {width!r}")
 
 
+def _check_count(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"the number of values must be a non-negative integer, got {n!r}")
+
+
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Pack unsigned integer codes ``0 <= c < 2**width`` into a flat ``uint8`` tensor.
 
@@ -63,6 +68,7 @@ def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
 def unpack_bits(data: torch.Tensor, width: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``n`` codes (``int64``) from ``ceil(n·width/8)`` bytes."""
     _check_width(width)
+    _check_count(n)
     if data.dtype != torch.uint8:
         raise PayloadError(f"packed codes must be uint8, got {data.dtype}")
     data = data.reshape(-1)
@@ -103,6 +109,7 @@ def pack_trits(trits: torch.Tensor) -> torch.Tensor:
 
 def unpack_trits(data: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_trits`: ``n`` values in ``{0, 1, 2}`` (``int64``)."""
+    _check_count(n)
     if data.dtype != torch.uint8:
         raise PayloadError(f"packed trits must be uint8, got {data.dtype}")
     data = data.reshape(-1)

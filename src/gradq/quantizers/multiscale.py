@@ -1,1 +1,303 @@
-"""(being written)"""
+"""Multi-scale and globally sparsified all-reduce-compatible quantizers of paper 002 (Vineeth S).
+
+**QSGDMaxNormMultiScale** (§3.2, Eqs. 10–13). Scales ``s_1 < … < s_N`` come from bit widths
+(``s_j = 2^(b_j−1) − 1``; ``bits=2+6`` gives 1 and 31). With the shared scale ``w`` (MAX over workers of
+the per-bucket norm, max-abs by default or L2), coordinate ``i`` uses the largest scale ``s`` with
+
+    s·|v_i|/w ≤ s_1                                                    (Eq. 11)
+
+so small coordinates get finer levels while their code still fits the smallest scale's range. The code
+``c_i = sgn(v_i)·round_stoch(s_i*·|v_i|/w) ∈ [−s_1, s_1]`` decodes to ``w·c_i/s_i*`` (Eq. 13). Stochastic
+rounding makes it unbiased; the variance bound is QSGDMaxNorm's with ``s = s_1`` (Lemma 2).
+**Scale sharing**: the per-coordinate scale index is MIN-reduced across workers (shared stat
+``scale_index``); a smaller index means a smaller scale, hence a smaller code, so every worker's code
+stays in ``[−s_1, s_1]`` and the codes add up: the mean is ``w·(Σ_m c^m)/(s_i*·M)``.
+
+Shared stats are computed before any reduction, so the ``scale_index`` of :meth:`shared_stats` uses
+the worker's own ``w``. Algorithm 2 of the paper computes the indices *after* the MAX of ``w``; a worker
+following it calls :meth:`MultiScale.scale_indices` ``(x, w_shared)`` and MIN-reduces that instead.
+Both orders keep the codes in range (a larger ``w`` only allows larger indices).
+
+Wire: codes at ``code_width(2·s_1 + 1)`` bits + scale indices at ``ceil(log2 N)`` bits (no field when
+``N = 1``) + one float32 ``w`` per bucket (+ the payload header).
+
+**GlobalRandK-MaxNorm / -MultiScale** (§3.3, §3.4). All workers keep the same ``K`` coordinates, drawn
+uniformly from a seed they share (no indices on the wire), and apply §3.1 (``randk-maxnorm``) or §3.2
+(``randk-multiscale``) to that sub-vector, with one shared scale over the selected entries. Unselected
+coordinates decode to zero. The paper does not rescale (biased: ``E[v̂] = (K/n)·v``); ``rescale=1``
+multiplies by ``n/K`` and is unbiased. ``K = min(k, n)``, or ``max(1, round(ratio·n))`` capped at ``n``
+(Python's ``round``: halves go to the even neighbour).
+
+Coordinate selection **[decided]**: the same uniform K-subset as ``randk``
+(:func:`gradq.quantizers.sparse.shared_random_indices`: the ``K`` smallest of per-coordinate random keys
+drawn from the shared seed), sorted in increasing position.
+Wire: the inner quantizer's fields for ``K`` coordinates, plus the shared seed as one int64 field
+``seed`` (8 bytes), so that a lone decode knows the coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..errors import PayloadError, SpecError
+from ..spec import BoolParam, IntParam, IntTupleParam, register
+from .base import EncodeContext, SharedStat, SummableQuantizer
+from ._common import bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets, stochastic_round
+from .maxnorm import MaxNorm, check_shared_scale
+from .qsgd import BITS, LEVELS, NORM, levels_spec_items
+from .sparse import K_PARAM, RATIO_PARAM, select_count, shared_random_indices, signed64
+
+__all__ = ["MultiScale", "RandKMaxNorm", "RandKMultiScale", "multiscale_levels"]
+
+MS_BITS = IntTupleParam("bits", (2, 6), "increasing bit widths of the scales (s_j = 2^(b_j-1) - 1)",
+                        lo=2, hi=8, min_len=1, max_len=8)
+
+
+def multiscale_levels(bits: Sequence[int]) -> tuple[int, ...]:
+    """The scales ``s_j = 2^(b_j−1) − 1`` of increasing bit widths (increasing)."""
+    return tuple(levels_from_bits(b) for b in bits)
+
+
+def _ratios(mat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``|v|/w`` per bucket row; a zero scale gives zeros."""
+    safe = torch.where(w > 0, w, torch.ones_like(w)).to(mat.dtype).unsqueeze(1)
+    return mat.abs() / safe
+
+
+def _index_matrix(r: torch.Tensor, levels: Sequence[int]) -> torch.Tensor:
+    """Eq. 11: index of the largest scale ``s`` with ``s·r ≤ s_1`` (the condition is monotone in ``s``,
+    so the index is the number of larger scales that satisfy it). Uses the same float32 products as the
+    code computation, so a code never exceeds ``s_1``."""
+    idx = torch.zeros(r.shape, dtype=torch.int64, device=r.device)
+    for s in levels[1:]:
+        idx += (s * r <= levels[0]).to(torch.int64)
+    return idx
+
+
+@register("multiscale")
+class MultiScale(SummableQuantizer):
+    """QSGDMaxNormMultiScale: per-coordinate choice among several scales, summable via scale sharing.
+
+    Spec: ``multiscale:bits=2+6,bucket=none,norm=max`` (defaults). Shared: ``scale`` (MAX, one per
+    bucket) and ``scale_index`` (MIN, uint8, one per coordinate).
+    """
+
+    params = (MS_BITS, IntParam("bucket", None, "bucket size (none = whole tensor)", allow_none=True, lo=1),
+              NORM)
+    unbiased = True
+
+    def __init__(self, bits: Sequence[int] | int = (2, 6), bucket: Optional[int] = None,
+                 norm: str = "max") -> None:
+        super().__init__(bits=bits, bucket=bucket, norm=norm)
+        self.levels = multiscale_levels(self.bits)
+        self.s1 = self.levels[0]
+        self.width = code_width(2 * self.s1 + 1)
+        self.index_width = code_width(len(self.levels)) if len(self.levels) > 1 else 0
+
+    @property
+    def max_code(self) -> int:
+        return self.s1
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        layout = {"codes": (torch.uint8, packed_nbytes(numel, self.width))}
+        if self.index_width:
+            layout["index"] = (torch.uint8, packed_nbytes(numel, self.index_width))
+        layout["scales"] = (torch.float32, num_buckets(numel, self.bucket))
+        return layout
+
+    # -- scale indices -----------------------------------------------------------------------------
+    def scale_indices(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Per-coordinate scale indices (uint8, Eq. 11) of ``x`` under the per-bucket scale ``scale``
+        (e.g. the MAX-reduced ``shared_stats()['scale']``); MIN-reduce them across workers."""
+        v = self._flatten(x, None)
+        return self._indices(v, torch.as_tensor(scale).to(device=v.device, dtype=torch.float32))
+
+    def _indices(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        r = _ratios(bucket_view(v, self.bucket), w)
+        return _index_matrix(r, self.levels).reshape(-1)[: v.numel()].to(torch.uint8)
+
+    def _level_table(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.levels, dtype=torch.float32, device=device)
+
+    # -- encode ------------------------------------------------------------------------------------
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        w = bucket_norms(bucket_view(v, self.bucket), self.norm)
+        return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(self._indices(v, w), "min")}
+
+    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+        n = v.numel()
+        mat = bucket_view(v, self.bucket)
+        w = ctx.shared["scale"]
+        check_shared_scale(self.name, w, bucket_norms(mat, self.norm))
+        r = _ratios(mat, w)
+        idx = ctx.shared["scale_index"].to(torch.int64)
+        allowed = _index_matrix(r, self.levels).reshape(-1)[:n]
+        if n and bool((idx > allowed).any()):
+            raise ValueError(f"{self.name}: the shared scale_index exceeds this worker's own index for "
+                             "some coordinates; it must be the MIN over workers of the indices")
+        a = self._level_table(v.device)[idx] * r.reshape(-1)[:n]
+        mag = stochastic_round(a, ctx.rng).clamp_(max=self.s1)
+        return (torch.sign(v) * mag).to(torch.int32)
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        fields = {"codes": pack_bits(self._codes(v, ctx) + self.s1, self.width)}
+        if self.index_width:
+            fields["index"] = pack_bits(ctx.shared["scale_index"], self.index_width)
+        fields["scales"] = ctx.shared["scale"].to(torch.float32)
+        return fields
+
+    # -- decode ------------------------------------------------------------------------------------
+    def _dequantize(self, codes: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, numel: int) -> torch.Tensor:
+        """``w·c/s_idx`` for flat codes (possibly sums over workers)."""
+        frac = codes.to(torch.float32) / self._level_table(codes.device)[idx.to(torch.int64)]
+        mat = bucket_view(frac, self.bucket)
+        return (mat * w.to(torch.float32).unsqueeze(1)).reshape(-1)[:numel]
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        codes = unpack_bits(fields["codes"], self.width, numel) - self.s1
+        if self.index_width:
+            idx = unpack_bits(fields["index"], self.index_width, numel)
+            if numel and int(idx.max()) >= len(self.levels):
+                raise PayloadError(f"{self.name}: corrupt scale index (>= {len(self.levels)} scales)")
+        else:
+            idx = torch.zeros(numel, dtype=torch.int64, device=codes.device)
+        return self._dequantize(codes, fields["scales"], idx, numel)
+
+    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
+                      shared_seed: Optional[int]) -> torch.Tensor:
+        return self._dequantize(codes, shared["scale"], shared["scale_index"], numel)
+
+
+# --------------------------------------------------------------------------------------------------
+# GlobalRandK
+# --------------------------------------------------------------------------------------------------
+RESCALE = BoolParam("rescale", False, "multiply by n/K (unbiased); 0 = the paper's unscaled version")
+
+
+class _GlobalRandK(SummableQuantizer):
+    """Shared-seed Rand-K around a summable inner quantizer applied to the selected sub-vector."""
+
+    needs_shared_seed = True
+    inner: SummableQuantizer
+
+    def _check_k(self, k: Optional[int], ratio: Optional[float]) -> Optional[float]:
+        if k is not None and ratio is not None:
+            raise SpecError(f"{self.name}: give k= or ratio=, not both")
+        return 0.01 if k is None and ratio is None else ratio
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """True with ``rescale=1`` (each coordinate is kept with probability K/n)."""
+        return self.rescale
+
+    @property
+    def max_code(self) -> int:
+        return self.inner.max_code
+
+    def num_selected(self, numel: int) -> int:
+        """``K`` for a tensor of ``numel`` coordinates."""
+        return select_count(numel, self.k, self.ratio)
+
+    def coordinates(self, numel: int, shared_seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The selected positions (sorted int64) for ``numel`` coordinates and ``shared_seed``: the same
+        uniform K-subset as ``randk`` draws (:func:`gradq.quantizers.sparse.shared_random_indices`)."""
+        return shared_random_indices(numel, self.num_selected(numel), shared_seed, device)
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        drop = {"k" if self.k is None else "ratio"}
+        return [(k, v) for k, v in super()._spec_items() if k not in drop]
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"seed": (torch.int64, 1), **self.inner.field_layout(self.num_selected(numel))}
+
+    def _need_seed(self, shared_seed: Optional[int]) -> int:
+        if shared_seed is None:
+            raise ValueError(f"{self.name}: needs shared_seed= (common to all workers) to pick coordinates")
+        return shared_seed
+
+    def _select(self, v: torch.Tensor, shared_seed: Optional[int]) -> torch.Tensor:
+        return v[self.coordinates(v.numel(), self._need_seed(shared_seed), v.device)]
+
+    def _scatter(self, sub: torch.Tensor, numel: int, shared_seed: int) -> torch.Tensor:
+        idx = self.coordinates(numel, shared_seed, sub.device)
+        out = torch.zeros(numel, dtype=torch.float32, device=sub.device)
+        if idx.numel():
+            out[idx] = sub * (numel / idx.numel()) if self.rescale else sub
+        return out
+
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        return self.inner._shared_stats(self._select(v, shared_seed), None)
+
+    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+        return self.inner._codes(self._select(v, ctx.shared_seed), ctx)
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        seed = self._need_seed(ctx.shared_seed)
+        seed_field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
+        return {"seed": seed_field, **self.inner._encode(self._select(v, seed), ctx)}
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        seed = int(fields["seed"].reshape(-1)[0])
+        k = self.num_selected(numel)
+        sub = self.inner._decode({f: t for f, t in fields.items() if f != "seed"}, k)
+        return self._scatter(sub, numel, seed)
+
+    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
+                      shared_seed: Optional[int]) -> torch.Tensor:
+        seed = self._need_seed(shared_seed)
+        sub = self.inner._decode_codes(codes, shared, self.num_selected(numel), None)
+        return self._scatter(sub, numel, seed)
+
+
+@register("randk-maxnorm")
+class RandKMaxNorm(_GlobalRandK):
+    """GlobalRandK-MaxNorm: QSGDMaxNorm on K coordinates picked from a shared seed.
+
+    Spec: ``randk-maxnorm:ratio=0.01,bits=4,norm=max,rescale=0`` (defaults; ``k=K`` replaces
+    ``ratio``). Shared: ``scale`` (MAX, the norm of the selected entries); needs a shared seed.
+    """
+
+    params = (K_PARAM, RATIO_PARAM, BITS, LEVELS, NORM, RESCALE)
+
+    def __init__(self, k: Optional[int] = None, ratio: Optional[float] = None, bits: Optional[int] = None,
+                 levels: Optional[int] = None, norm: str = "max", rescale: bool = False) -> None:
+        ratio = self._check_k(k, ratio)
+        super().__init__(k=k, ratio=ratio, bits=bits, levels=levels, norm=norm, rescale=rescale)
+        self.inner = MaxNorm(bits=self.bits, levels=self.levels, bucket=None, norm=self.norm)
+        self.s = self.inner.s
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for key, val in super()._spec_items():
+            if key == "bits":
+                out += levels_spec_items(self.s)
+            elif key != "levels":
+                out.append((key, val))
+        return out
+
+
+@register("randk-multiscale")
+class RandKMultiScale(_GlobalRandK):
+    """GlobalRandK-MaxNorm-MultiScale: QSGDMaxNormMultiScale on K coordinates from a shared seed.
+
+    Spec: ``randk-multiscale:ratio=0.01,bits=2+6,norm=max,rescale=0`` (defaults; ``k=K`` replaces
+    ``ratio``). Shared: ``scale`` (MAX) and ``scale_index`` (MIN, one per selected coordinate).
+    """
+
+    params = (K_PARAM, RATIO_PARAM, MS_BITS, NORM, RESCALE)
+
+    def __init__(self, k: Optional[int] = None, ratio: Optional[float] = None,
+                 bits: Sequence[int] | int = (2, 6), norm: str = "max", rescale: bool = False) -> None:
+        ratio = self._check_k(k, ratio)
+        super().__init__(k=k, ratio=ratio, bits=bits, norm=norm, rescale=rescale)
+        self.inner = MultiScale(bits=self.bits, bucket=None, norm=self.norm)
+
+    def scale_indices(self, x: torch.Tensor, scale: torch.Tensor, *, shared_seed: int) -> torch.Tensor:
+        """Scale indices (uint8, one per selected coordinate) of ``x``'s selected entries under the
+        shared ``scale``; see :meth:`MultiScale.scale_indices`."""
+        v = self._flatten(x, None)
+        return self.inner._indices(self._select(v, shared_seed),
+                                   torch.as_tensor(scale).to(device=v.device, dtype=torch.float32))

@@ -17,7 +17,7 @@ Wire: ``ceil(n·width/8)`` bytes of packed codes + one float32 scale per bucket 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 

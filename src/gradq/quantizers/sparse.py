@@ -1,1 +1,227 @@
-"""(being written)"""
+"""Sparsification baselines (ALGORITHMS.md §5): Top-K and Rand-K.
+
+Both keep ``K`` of the ``n`` coordinates of ``v`` and zero the rest, with
+
+    K = min(k, n)                          if ``k`` is given,
+    K = min(max(1, round(ratio·n)), n)     otherwise (``ratio`` defaults to 0.01),
+
+``round`` being Python's round-half-to-even; an empty tensor keeps ``K = 0``.
+
+**Top-K** keeps the ``K`` coordinates of largest magnitude: ``v̂_i = v_i`` for ``i ∈ S`` and 0 elsewhere.
+It is biased (``E v̂ ≠ v``; ``‖v − v̂‖² ≤ (1 − K/n)·‖v‖²``, the usual contraction bound), so it is meant to
+be run with error feedback (``ef(topk:...)``). Ties in ``|v_i|`` are broken towards the *lower index*
+[decided; the papers do not say]: the selection is a pure function of ``v``, identical on every device.
+Wire: ``K`` float32 values + ``K`` indices (int32, or int64 when ``n > 2**31 − 1``), indices sorted
+ascending, i.e. ``8K`` bytes (``12K`` with int64 indices) + the 26-byte payload header.
+
+**Rand-K** keeps ``K`` coordinates chosen uniformly at random without replacement from a seed the
+workers share (ALGORITHMS.md §0, §3.3): the receiver regenerates the coordinates from the seed, so no
+indices cross the wire. With ``rescale=1`` the kept values are multiplied by ``n/K``, which makes the
+scheme unbiased (each coordinate is kept with probability ``K/n``), with variance
+``E‖v̂ − v‖² = (n/K − 1)·‖v‖²``; without it (the default, as in paper 002) ``E v̂ = (K/n)·v``.
+Wire: ``K`` float32 values + the 64-bit seed, i.e. ``4K + 8`` bytes + the 26-byte header.
+
+The shared selection (:func:`shared_random_indices`) is also used by GlobalRandK (§3.3).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..errors import PayloadError, SpecError
+from ..random import RandomStream
+from ..spec import BoolParam, FloatParam, IntParam, register
+from .base import EncodeContext, Quantizer
+
+__all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64"]
+
+_INT32_MAX = (1 << 31) - 1
+_U64 = (1 << 64) - 1
+_DEFAULT_RATIO = 0.01
+
+K_PARAM = IntParam("k", None, "number of coordinates kept (instead of ratio)", allow_none=True, lo=1)
+RATIO_PARAM = FloatParam("ratio", None, "fraction of coordinates kept; default 0.01", allow_none=True,
+                         lo=0.0, hi=1.0, lo_open=True)
+
+
+def select_count(n: int, k: Optional[int], ratio: Optional[float]) -> int:
+    """``K = min(k or max(1, round(ratio·n)), n)`` (``ratio`` defaults to 0.01); 0 for an empty tensor."""
+    if n <= 0:
+        return 0
+    if k is None:
+        k = max(1, round((_DEFAULT_RATIO if ratio is None else ratio) * n))
+    return min(int(k), n)
+
+
+def _index_bits(n: int) -> int:
+    """Bits reserved for the index in a 64-bit selection key (at least 32)."""
+    return max(32, (max(n, 1) - 1).bit_length())
+
+
+def shared_random_indices(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``k`` distinct coordinates of ``range(n)``, uniformly at random without replacement, as a sorted
+    int64 tensor on ``device``: a pure function of ``(n, k, seed)``, identical on every device.
+
+    Each coordinate ``i`` gets the unique key ``(b_i << w) | i`` where ``b_i`` is element ``i`` of
+    ``RandomStream(seed).bits32(n)`` (its 32 bits as a signed integer, arithmetically shifted right by
+    ``w − 32`` when ``w > 32``) and ``w = max(32, bit length of n − 1)``; the ``k`` smallest keys are the
+    selection. Ordering by i.i.d. random keys gives a uniformly random ``k``-subset; the index in the low
+    bits only breaks ties between equal 32-bit draws (towards the lower index), which perturbs the
+    uniform law by at most about ``k²/2³³`` in total variation.
+    """
+    if k < 0 or k > n:
+        raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if k == n:
+        return torch.arange(n, dtype=torch.int64, device=device)
+    w = _index_bits(n)
+    bits = RandomStream(seed).bits32(n, device).to(torch.int64)
+    if w > 32:
+        bits = bits >> (w - 32)
+    keys = (bits << w) | torch.arange(n, dtype=torch.int64, device=bits.device)
+    sel = torch.topk(keys, k, largest=False, sorted=False).indices
+    return torch.sort(sel).values
+
+
+def topk_indices(v: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest ``|v_i|``, ties broken towards the lower index.
+
+    ``|v|`` (finite float32, non-negative) has bit patterns ordered like its values, so for
+    ``n ≤ 2**32`` the key ``(bits(|v_i|) << 32) | (2**32 − 1 − i)`` is unique per coordinate and one
+    ``torch.topk`` on it is exact and deterministic; larger vectors use a stable descending sort."""
+    n = v.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=v.device)
+    if k == n:
+        return torch.arange(n, dtype=torch.int64, device=v.device)
+    mag = v.abs()
+    if n <= (1 << 32):
+        mbits = mag.view(torch.int32).to(torch.int64)
+        keys = (mbits << 32) | ((1 << 32) - 1 - torch.arange(n, dtype=torch.int64, device=v.device))
+        sel = torch.topk(keys, k, largest=True, sorted=False).indices
+    else:  # pragma: no cover - needs a > 16 GiB tensor
+        sel = torch.sort(mag, descending=True, stable=True).indices[:k]
+    return torch.sort(sel).values
+
+
+def signed64(seed: int) -> int:
+    """A 64-bit seed as the int64 with the same bits (what the ``seed`` field holds)."""
+    s = int(seed) & _U64
+    return s - (1 << 64) if s >= (1 << 63) else s
+
+
+class _Sparse(Quantizer):
+    """Shared parameters and checks of Top-K and Rand-K."""
+
+    def _init_count(self) -> None:
+        if self.k is not None and self.ratio is not None:
+            raise SpecError(f"{self.name}: give k= or ratio=, not both (k={self.k}, ratio={self.ratio})")
+        if self.k is None and self.ratio is None:
+            self.ratio = self._values["ratio"] = _DEFAULT_RATIO
+
+    def count(self, numel: int) -> int:
+        """Coordinates kept, ``K``, for a tensor of ``numel`` coordinates."""
+        return select_count(numel, self.k, self.ratio)
+
+    def _count_items(self) -> list[tuple[str, str]]:
+        if self.k is not None:
+            return [("k", str(self.k))]
+        return [("ratio", RATIO_PARAM.format(self.ratio))]
+
+
+@register("topk")
+class TopK(_Sparse):
+    """Top-K sparsification: keep the ``K`` largest-magnitude coordinates (see the module docstring).
+
+    Spec: ``topk:ratio=0.01`` (default) or ``topk:k=1000`` (``k`` and ``ratio`` are exclusive; the
+    canonical spec prints the one in use). Biased; combine with error feedback (``ef(topk:...)``).
+    Wire: float32 ``values`` (K) + sorted ``indices`` (K; int32, int64 when ``n > 2**31 − 1``).
+    """
+
+    params = (K_PARAM, RATIO_PARAM)
+    unbiased = False
+
+    def __init__(self, k: Optional[int] = None, ratio: Optional[float] = None) -> None:
+        super().__init__(k=k, ratio=ratio)
+        self._init_count()
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        return self._count_items()
+
+    @staticmethod
+    def index_dtype(numel: int) -> torch.dtype:
+        """int32 indices, or int64 when ``numel > 2**31 − 1``."""
+        return torch.int64 if numel > _INT32_MAX else torch.int32
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        kk = self.count(numel)
+        return {"values": (torch.float32, kk), "indices": (self.index_dtype(numel), kk)}
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        n = v.numel()
+        idx = topk_indices(v, self.count(n))
+        return {"values": v[idx].contiguous(), "indices": idx.to(self.index_dtype(n))}
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        values, idx = fields["values"], fields["indices"].to(torch.int64)
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= numel:
+                raise PayloadError(f"{self.name}: index out of range [0, {numel}) in payload "
+                                   f"(min {lo}, max {hi}); corrupt payload")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise PayloadError(f"{self.name}: payload indices are not strictly increasing; corrupt payload")
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        out[idx.to(values.device)] = values.to(torch.float32)
+        return out
+
+
+@register("randk")
+class RandK(_Sparse):
+    """Rand-K sparsification with a shared seed: keep ``K`` uniformly random coordinates.
+
+    Spec: ``randk:ratio=0.01,rescale=0`` (defaults) or ``randk:k=1000,rescale=1``. ``rescale=1``
+    multiplies the kept values by ``n/K`` and makes the scheme unbiased. Pass ``shared_seed=`` (common
+    to all workers, e.g. derived from the seed and the step) to select the same coordinates everywhere;
+    omitted, one is derived from the encode's randomness. Wire: float32 ``values`` (K) + int64 ``seed``
+    (1); the coordinates are regenerated from the seed with :func:`shared_random_indices`.
+    """
+
+    params = (K_PARAM, RATIO_PARAM, BoolParam("rescale", False, "multiply kept values by n/K (unbiased)"))
+    needs_shared_seed = True
+
+    def __init__(self, k: Optional[int] = None, ratio: Optional[float] = None, rescale: bool = False) -> None:
+        super().__init__(k=k, ratio=ratio, rescale=rescale)
+        self._init_count()
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return bool(self.rescale)
+
+    def _spec_items(self) -> list[tuple[str, str]]:
+        return self._count_items() + [("rescale", "1" if self.rescale else "0")]
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"values": (torch.float32, self.count(numel)), "seed": (torch.int64, 1)}
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if ctx.shared_seed is None:  # the base always supplies one; guard direct calls
+            raise ValueError(f"{self.name}: needs a shared seed")
+        n = v.numel()
+        idx = shared_random_indices(n, self.count(n), ctx.shared_seed, v.device)
+        seed = torch.tensor([signed64(ctx.shared_seed)], dtype=torch.int64, device=v.device)
+        return {"values": v[idx].contiguous(), "seed": seed}
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        values = fields["values"].to(torch.float32)
+        kk = values.numel()
+        seed = int(fields["seed"].reshape(-1)[0].item()) & _U64
+        idx = shared_random_indices(numel, kk, seed, values.device)
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        if self.rescale and kk:
+            values = values * (numel / kk)
+        out[idx] = values
+        return out

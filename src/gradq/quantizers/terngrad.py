@@ -1,1 +1,133 @@
-"""(being written)"""
+"""TernGrad: stochastic ternary gradients with a shared scaler (paper 001, Wen et al.).
+
+Per layer (one tensor per call; optional buckets), TernGrad first clips the gradient (Eq. 21)
+
+    g_k ← clamp(g_k, −c·σ, c·σ),    σ = standard deviation of the whole tensor, c = 2.5 by default,
+
+then takes the scaler ``s = max_k |g_k|`` of the *clipped* gradient (Eq. 2, per bucket) and sends
+
+    g̃_k = s · sgn(g_k) · b_k,    b_k ~ Bernoulli(|g_k| / s)    (Eq. 1),
+
+i.e. the integer code ``sgn(g_k)·b_k ∈ {−1, 0, 1}``. ``E[g̃] = clip(g)``: the scheme is unbiased with
+respect to the clipped gradient (:meth:`TernGrad.clipped` returns it), and unbiased with respect to the
+gradient itself only with ``clip=none``.
+
+**Scaler sharing** (Eq. 4): with ``s`` replaced by the MAX over workers of their scalers (the shared stat
+``scale``), the workers' ternary codes add up to integers in ``[−M, M]`` and the average is
+``s·(Σ_m code^m)/M``. Clipping stays per worker (each with its own σ), as in the paper.
+
+Wire: the codes ``code + 1 ∈ {0, 1, 2}`` packed five per byte (``pack=trit``: ``ceil(n/5)`` bytes,
+1.6 bits per element) or as 2-bit fields (``pack=2bit``: ``ceil(n/4)`` bytes), plus one float32 scaler
+per bucket (+ the payload header). Both packings carry the same codes, so they decode identically.
+
+Decisions where the paper is silent (**[decided]**): σ is the population standard deviation
+(``correction=0``) of the tensor, also when it is bucketed; when σ = 0 (a constant tensor, including
+tensors of at most one element) clipping is skipped, since clamping to ``[0, 0]`` would erase a
+constant gradient instead of limiting its outliers.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..codecs.bitpack import pack_bits, pack_trits, packed_nbytes, trit_nbytes, unpack_bits, unpack_trits
+from ..errors import PayloadError
+from ..spec import ChoiceParam, FloatParam, IntParam, register
+from .base import EncodeContext, SharedStat, SummableQuantizer
+from ._common import bucket_norms, bucket_view, num_buckets
+from .maxnorm import check_shared_scale
+from .qsgd import uniform_codes, uniform_decode
+
+__all__ = ["TernGrad", "clip_by_std"]
+
+
+def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
+    """Eq. 21 on a flat float32 vector: ``clamp(v, −c·σ, c·σ)`` with ``σ`` the population standard
+    deviation of ``v``. ``c=None``, an empty or one-element vector, or ``σ = 0`` return ``v`` unchanged."""
+    if c is None or v.numel() <= 1:
+        return v
+    sigma = torch.std(v, correction=0)
+    bound = c * sigma
+    # sigma == 0 (constant vector): no clipping, see the module docstring.
+    bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf")))
+    return torch.clamp(v, -bound, bound)
+
+
+@register("terngrad")
+class TernGrad(SummableQuantizer):
+    """TernGrad: ternary codes ``{−1, 0, 1}`` times a per-bucket scaler, after gradient clipping.
+
+    Spec: ``terngrad:clip=2.5,bucket=none,pack=trit`` (defaults). ``clip=none`` disables clipping
+    (then unbiased); ``bucket=none`` means one scaler for the whole layer; ``pack`` chooses base-3
+    packing (1.6 bits/element) or 2-bit fields. Shared: ``scale`` (MAX), the per-bucket scalers of
+    the clipped gradient. Layer-wise: meant to see one parameter tensor per call.
+    """
+
+    params = (
+        FloatParam("clip", 2.5, "clip at c standard deviations of the layer (none = no clipping)",
+                   allow_none=True, lo=0.0, lo_open=True),
+        IntParam("bucket", None, "bucket size (none = whole tensor, the paper's per-layer scaler)",
+                 allow_none=True, lo=1),
+        ChoiceParam("pack", "trit", "wire packing: trit (5 per byte) or 2bit", choices=("trit", "2bit")),
+    )
+    layerwise = True
+
+    def __init__(self, clip: Optional[float] = 2.5, bucket: Optional[int] = None, pack: str = "trit") -> None:
+        super().__init__(clip=clip, bucket=bucket, pack=pack)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """True only without clipping; with clipping, E[decode] is :meth:`clipped` ``(x)``."""
+        return self.clip is None
+
+    @property
+    def max_code(self) -> int:
+        return 1
+
+    def clipped(self, x: torch.Tensor) -> torch.Tensor:
+        """The clipped tensor (Eq. 21) whose unbiased estimate TernGrad sends; same shape and dtype as
+        ``x``. Equal to ``x`` when ``clip=none``."""
+        v = self._flatten(x, None)
+        return clip_by_std(v, self.clip).reshape(x.shape).to(x.dtype)
+
+    # -- wire --------------------------------------------------------------------------------------
+    def _code_bytes(self, numel: int) -> int:
+        return trit_nbytes(numel) if self.pack == "trit" else packed_nbytes(numel, 2)
+
+    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"codes": (torch.uint8, self._code_bytes(numel)),
+                "scales": (torch.float32, num_buckets(numel, self.bucket))}
+
+    # -- math --------------------------------------------------------------------------------------
+    def _clipped_matrix(self, v: torch.Tensor) -> torch.Tensor:
+        return bucket_view(clip_by_std(v, self.clip), self.bucket)
+
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        return {"scale": SharedStat(bucket_norms(self._clipped_matrix(v), "max"), "max")}
+
+    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+        mat = self._clipped_matrix(v)
+        scale = ctx.shared["scale"]
+        check_shared_scale(self.name, scale, bucket_norms(mat, "max"))
+        # With s = 1 level, floor(|g|/scale + u) is exactly Bernoulli(|g|/scale).
+        return uniform_codes(mat, scale, 1, ctx.rng).reshape(-1)[: v.numel()]
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        shifted = self._codes(v, ctx) + 1
+        packed = pack_trits(shifted) if self.pack == "trit" else pack_bits(shifted, 2)
+        return {"codes": packed, "scales": ctx.shared["scale"].to(torch.float32)}
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        if self.pack == "trit":
+            codes = unpack_trits(fields["codes"], numel) - 1
+        else:
+            codes = unpack_bits(fields["codes"], 2, numel) - 1
+            if codes.numel() and int(codes.max()) > 1:
+                raise PayloadError(f"{self.name}: corrupt codes (2-bit field value 3 is not a trit)")
+        return uniform_decode(codes, fields["scales"], 1, numel, self.bucket)
+
+    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
+                      shared_seed: Optional[int]) -> torch.Tensor:
+        return uniform_decode(codes, shared["scale"], 1, numel, self.bucket)

@@ -1,0 +1,54 @@
+"""Shared helpers for gradq tests (importable as ``gradq_testing``): statistical checks with tolerances derived from the variance."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+
+def unbiasedness_stats(q, x: torch.Tensor, trials: int, **encode_kwargs) -> dict[str, float]:
+    """Encode ``x`` ``trials`` times (seeds 0..trials-1) and compare the sample mean with ``x``.
+
+    Returns, over coordinates whose sample variance is positive, the chi-square-like statistic
+    ``T = Σ z_i²`` with ``z_i = (mean_i − x_i) / sqrt(var_i / trials)`` and its number of terms ``k``,
+    the largest ``|z_i|``, and the largest error of the zero-variance coordinates. For an unbiased
+    quantizer ``T`` is approximately chi-square with ``k`` degrees of freedom (mean ``k``, sd ``√(2k)``)
+    and every ``z_i`` approximately standard normal.
+    """
+    outs = torch.stack([q.roundtrip(x, seed=s, **encode_kwargs).to(torch.float64).reshape(-1)
+                        for s in range(trials)])
+    xf = x.to(torch.float64).reshape(-1)
+    mean = outs.mean(0)
+    var = outs.var(0, unbiased=True)
+    live = var > 1e-20
+    z = (mean[live] - xf[live]) / torch.sqrt(var[live] / trials)
+    dead_err = (mean[~live] - xf[~live]).abs().max().item() if (~live).any() else 0.0
+    k = int(live.sum())
+    return {"T": float((z ** 2).sum()), "k": k, "max_z": float(z.abs().max()) if k else 0.0,
+            "dead_err": dead_err}
+
+
+def assert_unbiased(q, x: torch.Tensor, trials: int = 3000, **encode_kwargs) -> None:
+    """Assert unbiasedness with tolerances from the variance.
+
+    * ``T ≤ k + 6·√(2k)``: six standard deviations above the chi-square mean (one-sided p < 1e-6
+      under the normal approximation; the test's seeds are fixed, so it is deterministic).
+    * ``max |z| ≤ 6``: with at most a few hundred coordinates, a Bonferroni bound gives
+      p ≤ 300 · 2·Φ(−6) ≈ 6e-7.
+    * zero-variance coordinates are exact up to float32 rounding of the decode (1e-5 relative).
+    A bias of one standard error per coordinate already moves ``T`` by ``k``, far beyond these.
+    """
+    st = unbiasedness_stats(q, x, trials, **encode_kwargs)
+    k = st["k"]
+    assert st["T"] <= k + 6 * math.sqrt(2 * max(k, 1)), f"{q}: biased? {st}"
+    assert st["max_z"] <= 6.0, f"{q}: biased coordinate? {st}"
+    scale = float(x.abs().max()) if x.numel() else 1.0
+    assert st["dead_err"] <= 1e-5 * max(scale, 1e-30), f"{q}: deterministic coordinates off: {st}"
+
+
+def mc_mean(fn: Callable[[int], float], trials: int) -> tuple[float, float]:
+    """Monte Carlo mean of ``fn(seed)`` over ``trials`` seeds and its standard error."""
+    vals = torch.tensor([fn(s) for s in range(trials)], dtype=torch.float64)
+    return float(vals.mean()), float(vals.std(unbiased=True) / math.sqrt(trials))

@@ -1,0 +1,265 @@
+"""Top-K and Rand-K (ALGORITHMS.md §5): selection, placement, uniformity, unbiasedness, wire size."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import gradq
+from gradq.payload import Payload
+from gradq.quantizers.sparse import select_count, shared_random_indices, topk_indices
+from gradq.random import hash32_reference
+from gradq_testing import assert_unbiased, mc_mean
+
+HEADER = 16 + 5 * 2  # payload header with two fields
+
+
+def _vec(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g)
+
+
+# -- K -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,ratio,want", [
+    (0, None, None, 0), (0, 5, None, 0),
+    (1000, None, None, 10),           # default ratio 0.01
+    (50, None, None, 1),              # round(0.5) = 0 -> at least 1
+    (10, None, 0.25, 2),              # round(2.5) = 2 (half to even)
+    (10, None, 0.35, 4),              # round(3.5) = 4
+    (10, None, 1.0, 10),
+    (10, 3, None, 3), (10, 99, None, 10),
+])
+def test_select_count(n, k, ratio, want):
+    assert select_count(n, k, ratio) == want
+
+
+# -- Top-K -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k", [(1, 1), (257, 1), (1000, 37), (1000, 999), (1000, 1000), (4096, 300)])
+def test_topk_keeps_exactly_the_k_largest(n, k):
+    x = _vec(n, seed=n + k)
+    q = gradq.build(f"topk:k={k}")
+    p = q.encode(x, seed=0)
+    idx = p["indices"].to(torch.int64)
+    # Oracle: Python sort of the magnitudes (continuous draws, so there are no ties here).
+    want = sorted(sorted(range(n), key=lambda i: -abs(float(x[i])))[:k])
+    assert idx.tolist() == want
+    assert torch.equal(p["values"], x[idx])
+    assert p["indices"].dtype == torch.int32 and p["values"].dtype == torch.float32
+    # Everything dropped is no larger than everything kept.
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[idx] = True
+    if k < n:
+        assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
+
+
+def test_topk_decode_places_values():
+    x = torch.tensor([[0.5, -3.0, 0.1], [2.0, 0.0, -2.5]], dtype=torch.float64)
+    q = gradq.build("topk:k=3")
+    out = q.roundtrip(x, seed=0)
+    assert out.dtype == torch.float64 and out.shape == x.shape
+    assert torch.equal(out, torch.tensor([[0.0, -3.0, 0.0], [2.0, 0.0, -2.5]], dtype=torch.float64))
+
+
+def test_topk_ties_go_to_the_lower_index():
+    x = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0])
+    assert topk_indices(x, 2).tolist() == [1, 2]
+    assert topk_indices(x, 3).tolist() == [1, 2, 4]
+    assert topk_indices(torch.zeros(8), 3).tolist() == [0, 1, 2]
+    # -0.0 and +0.0 have equal magnitude
+    assert topk_indices(torch.tensor([0.0, -0.0, -0.0, 1.0]), 2).tolist() == [0, 3]
+
+
+def test_topk_indices_are_data_dependent_not_seed_dependent():
+    x = _vec(512, seed=3)
+    q = gradq.build("topk:ratio=0.05")
+    assert q.encode(x, seed=1).same_bytes(q.encode(x, seed=2))
+
+
+def test_topk_nbytes_formula():
+    for n, spec, k in [(1000, "topk", 10), (1000, "topk:k=7", 7), (4096, "topk:ratio=0.1", 410), (3, "topk:k=9", 3)]:
+        q = gradq.build(spec)
+        p = q.encode(_vec(n), seed=0)
+        assert p.nbytes == len(p.to_bytes()) == q.expected_nbytes(n) == HEADER + 8 * k
+    # int64 indices past 2**31 - 1 coordinates (layout only; no tensor is allocated)
+    q = gradq.build("topk:k=5")
+    assert q.field_layout(2**31 - 1)["indices"] == (torch.int32, 5)
+    assert q.field_layout(2**31)["indices"] == (torch.int64, 5)
+    assert q.expected_nbytes(2**31) == HEADER + 12 * 5
+
+
+def _forged(q, x, **fields):
+    p = q.encode(x, seed=0)
+    return Payload(p.spec, p.shape, p.dtype, p.numel, {**p.fields, **fields})
+
+
+@pytest.mark.parametrize("bad,what", [([0, 5, 10], "out of range"), ([-1, 2, 3], "out of range"),
+                                      ([3, 2, 7], "strictly increasing"), ([2, 2, 7], "strictly increasing")])
+def test_topk_decode_rejects_bad_indices(bad, what):
+    q = gradq.build("topk:k=3")
+    p = _forged(q, _vec(10), indices=torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(gradq.PayloadError, match=what):
+        q.decode(p)
+
+
+def test_topk_decode_rejects_wrong_field_sizes():
+    q = gradq.build("topk:k=3")
+    with pytest.raises(gradq.PayloadError, match="indices"):
+        q.decode(_forged(q, _vec(10), indices=torch.tensor([1, 2], dtype=torch.int32)))
+    with pytest.raises(gradq.PayloadError, match="indices"):
+        q.decode(_forged(q, _vec(10), indices=torch.tensor([1, 2, 3], dtype=torch.int64)))
+
+
+# -- Rand-K selection ------------------------------------------------------------------------------
+def test_shared_random_indices_matches_reference_keys():
+    # The documented construction, evaluated with the pure-Python hash: key_i = (signed bits_i << 32) | i.
+    n, k, seed = 200, 17, 987654321
+
+    def signed(b: int) -> int:
+        return b - (1 << 32) if b >= (1 << 31) else b
+
+    keys = sorted(((signed(hash32_reference(seed, i)) << 32) | i, i) for i in range(n))
+    want = sorted(i for _, i in keys[:k])
+    got = shared_random_indices(n, k, seed, "cpu")
+    assert got.dtype == torch.int64 and got.tolist() == want
+
+
+def test_shared_random_indices_basic_properties():
+    a = shared_random_indices(1000, 50, 7)
+    assert torch.equal(a, shared_random_indices(1000, 50, 7))          # same seed, same indices
+    assert not torch.equal(a, shared_random_indices(1000, 50, 8))      # another seed, another set
+    assert a.unique().numel() == 50 and bool((a[1:] > a[:-1]).all())   # distinct, sorted
+    assert int(a.min()) >= 0 and int(a.max()) < 1000
+    assert shared_random_indices(10, 0, 1).numel() == 0
+    assert shared_random_indices(10, 10, 1).tolist() == list(range(10))
+    with pytest.raises(ValueError):
+        shared_random_indices(10, 11, 1)
+
+
+def test_randk_selection_is_uniform_over_subsets():
+    # n=6, k=2: 15 subsets, each of probability 1/15. S=6000 seeds give expected count E=400 per subset;
+    # Pearson's X² ~ chi-square(14 dof): mean 14, sd sqrt(28)≈5.3. We allow mean + 6 sd ≈ 45.7
+    # (p < 1e-6). A subset with probability off by 20% shifts X² by about (80²)/400 = 16 on its own,
+    # and a systematic bias (e.g. index-ordered ties) far more.
+    n, k, S = 6, 2, 6000
+    counts = {c: 0 for c in itertools.combinations(range(n), k)}
+    for s in range(S):
+        counts[tuple(shared_random_indices(n, k, s).tolist())] += 1
+    e = S / len(counts)
+    x2 = sum((c - e) ** 2 / e for c in counts.values())
+    dof = len(counts) - 1
+    assert x2 <= dof + 6 * math.sqrt(2 * dof), (x2, counts)
+
+
+def test_randk_marginals_are_uniform():
+    # n=16, k=4, S=4000 seeds: coordinate i is kept c_i ~ Binomial(S, 1/4) times (E=1000,
+    # sd = sqrt(S·p·(1-p)) ≈ 27.4). Bonferroni over 16 coordinates: allow 5 sd (p ≤ 16·5.7e-7).
+    n, k, S = 16, 4, 4000
+    counts = torch.zeros(n)
+    for s in range(S):
+        counts[shared_random_indices(n, k, 10_000 + s)] += 1
+    p = k / n
+    sd = math.sqrt(S * p * (1 - p))
+    assert float((counts - S * p).abs().max()) <= 5 * sd, counts
+
+
+def test_randk_selection_is_independent_of_the_data():
+    q = gradq.build("randk:k=20")
+    a, b = _vec(300, 1) + 10.0, -_vec(300, 2) * 1e-3 - 5.0   # no zeros, so the support is the selection
+    pa, pb = q.encode(a, seed=1, shared_seed=42), q.encode(b, seed=2, shared_seed=42)
+    sa, sb = q.decode(pa).nonzero().flatten(), q.decode(pb).nonzero().flatten()
+    assert torch.equal(sa, sb) and torch.equal(sa, shared_random_indices(300, 20, 42))
+    assert torch.equal(pa["values"], a[sa]) and torch.equal(pa["seed"], torch.tensor([42]))
+
+
+def test_randk_seed_field_and_derived_seed():
+    q = gradq.build("randk:k=5")
+    x = _vec(100)
+    # a seed using all 64 bits is stored as the int64 with the same bits and still decodes
+    p = q.encode(x, seed=0, shared_seed=2**64 - 1)
+    assert p["seed"].tolist() == [-1]
+    assert torch.equal(q.decode(p).nonzero().flatten(), shared_random_indices(100, 5, 2**64 - 1))
+    # no shared_seed: one is derived from the encode's seed (same seed, same bytes; another seed differs)
+    assert q.encode(x, seed=3).same_bytes(q.encode(x, seed=3))
+    assert not torch.equal(q.encode(x, seed=3)["seed"], q.encode(x, seed=4)["seed"])
+    back = q.payload_from_bytes(p.to_bytes(), (100,))
+    assert torch.equal(q.decode(back), q.decode(p))
+
+
+def test_randk_nbytes_formula():
+    for n, spec, k in [(1000, "randk", 10), (1000, "randk:k=7,rescale=1", 7), (4096, "randk:ratio=0.1", 410)]:
+        q = gradq.build(spec)
+        p = q.encode(_vec(n), seed=0)
+        assert p.nbytes == len(p.to_bytes()) == q.expected_nbytes(n) == HEADER + 4 * k + 8
+
+
+# -- Rand-K statistics -----------------------------------------------------------------------------
+def test_randk_rescale_is_unbiased():
+    q = gradq.build("randk:k=16,rescale=1")
+    assert q.unbiased and not gradq.build("randk:k=16").unbiased
+    # Tolerances of assert_unbiased (chi-square and max-|z| at 6 sd) are documented in gradq_testing.
+    assert_unbiased(q, _vec(64, seed=5), trials=2000)
+
+
+def test_randk_without_rescale_is_shrunk_by_k_over_n():
+    # E[v̂_i] = p·x_i with p = K/n = 1/4; per-coordinate SE of the mean over N=2000 encodes is
+    # |x_i|·sqrt(p(1-p)/N); we allow 5 SE (Bonferroni over 64 coordinates: p ≤ 64·5.7e-7).
+    q = gradq.build("randk:k=16")
+    x = _vec(64, seed=6)
+    N, p = 2000, 16 / 64
+    mean = torch.stack([q.roundtrip(x, seed=s) for s in range(N)]).double().mean(0)
+    se = x.double().abs() * math.sqrt(p * (1 - p) / N)
+    assert bool(((mean - p * x.double()).abs() <= 5 * se + 1e-12).all())
+
+
+def test_randk_rescale_variance():
+    # E‖v̂ − v‖² = (n/K − 1)·‖v‖² = 3‖v‖² here; the Monte-Carlo mean over 2000 seeds must be within
+    # 5 of its standard errors.
+    q = gradq.build("randk:k=16,rescale=1")
+    x = _vec(64, seed=7)
+    want = 3.0 * float((x.double() ** 2).sum())
+    mean, se = mc_mean(lambda s: float(((q.roundtrip(x, seed=s) - x).double() ** 2).sum()), 2000)
+    assert abs(mean - want) <= 5 * se, (mean, want, se)
+
+
+# -- specs and errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,canon", [
+    ("topk", "topk:ratio=0.01"), ("topk:ratio=0.01", "topk:ratio=0.01"), ("topk:k=5", "topk:k=5"),
+    ("topk:k=5,ratio=none", "topk:k=5"), ("topk:ratio=1", "topk:ratio=1.0"),
+    ("randk", "randk:ratio=0.01,rescale=0"), ("randk:k=3,rescale=1", "randk:k=3,rescale=1"),
+])
+def test_canonical_specs(spec, canon):
+    q = gradq.build(spec)
+    assert str(q) == canon and gradq.build(canon) == q
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("topk:k=3,ratio=0.1", "not both"), ("randk:k=3,ratio=0.1", "not both"),
+    ("topk:ratio=0", r"\(0.0, 1.0\]"), ("topk:ratio=1.5", r"\(0.0, 1.0\]"),
+    ("topk:k=0", r"\[1, inf\]"), ("randk:k=abc", "integer"), ("randk:rescale=2", "1/0"),
+    ("topk:rescale=1", "valid: k, ratio, ef"),
+])
+def test_spec_errors(spec, msg):
+    with pytest.raises(gradq.SpecError, match=msg):
+        gradq.build(spec)
+
+
+def test_decode_with_another_spec_is_refused():
+    p = gradq.build("randk:k=4").encode(_vec(50), seed=0)
+    with pytest.raises(gradq.PayloadError):
+        gradq.build("randk:k=4,rescale=1").decode(p)
+    with pytest.raises(gradq.PayloadError):
+        gradq.build("topk:k=4").decode(p)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    x = _vec(4096, seed=9)
+    x[::7] = x[3]  # plenty of ties
+    for spec in ("topk:k=300", "randk:k=300,rescale=1"):
+        q = gradq.build(spec)
+        a, b = q.encode(x, seed=1), q.encode(x.cuda(), seed=1)
+        assert torch.equal(a.to_bytes(), b.to_bytes().cpu())
+        assert torch.equal(q.decode(a), q.decode(b).cpu())

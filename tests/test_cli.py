@@ -1,0 +1,50 @@
+"""The gradq command: list, compare (the demo's engine) and error handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradq.cli import DEMO_SPECS, main
+import gradq
+
+
+def test_list_shows_every_scheme(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in gradq.available():
+        assert name in out
+
+
+def test_demo_specs_all_build():
+    for s in DEMO_SPECS:
+        gradq.build(s)
+    names = {gradq.build(s).spec.split(":")[0].removeprefix("ef(") for s in DEMO_SPECS}
+    assert set(gradq.available()) <= names
+
+
+def test_compare_prints_a_table_and_writes_rows(capsys, tmp_path):
+    pytest.importorskip("sklearn")
+    out_file = tmp_path / "rows.jsonl"
+    rc = main(["compare", "-c", "none", "-c", "qsgd:bits=2,bucket=128", "-c", "signsgd", "--trials", "3",
+               "--warm-steps", "2", "--json", str(out_file)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "bits/coord" in text and "qsgd:bits=2,bucket=128,norm=max" in text
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["compressor"] for r in rows] == ["none", "qsgd:bits=2,bucket=128,norm=max", "signsgd:bucket=512"]
+    none, q2, sign = rows
+    assert none["rel_error"] == 0 and none["bits_per_coord"] > 32
+    assert 2.0 < q2["bits_per_coord"] < 2.6 and q2["rel_error"] > 0
+    assert sign["rel_bias"] > q2["rel_bias"]  # signs are biased, QSGD is not
+
+
+def test_bad_spec_fails_fast_with_a_clear_message(capsys):
+    assert main(["compare", "-c", "qsgd:bits=99"]) == 2
+    assert "bits=99 is out of range" in capsys.readouterr().err
+
+
+def test_missing_data_is_a_clear_error(capsys):
+    assert main(["compare", "-c", "none", "--data", "mnist:/nope"]) == 2
+    assert "does not exist" in capsys.readouterr().err

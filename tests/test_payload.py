@@ -1,0 +1,192 @@
+"""The wire format (gradq.payload): honest sizes, byte round trips, and PayloadError on any corruption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradq
+from gradq.payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload, spec_crc
+
+SPEC = "test:bits=4,bucket=8"
+SHAPE = (3, 7)
+NAMES = ("codes", "scales")
+
+ALL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _payload() -> Payload:
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (11,), generator=g).to(torch.uint8)
+    scales = torch.rand(3, generator=g)
+    return Payload(SPEC, SHAPE, torch.float32, 21, {"codes": codes, "scales": scales})
+
+
+def _parse(buf, names=NAMES, spec=SPEC, shape=SHAPE) -> Payload:
+    return Payload.from_bytes(buf, names=names, spec=spec, shape=shape, dtype=torch.float32)
+
+
+def _raw() -> bytes:
+    return bytes(_payload().to_bytes().tolist())
+
+
+def test_sizes_are_honest():
+    p = _payload()
+    assert HEADER_BYTES == 16 and FIELD_HEADER_BYTES == 5
+    assert p.header_nbytes == 16 + 5 * 2 == 26
+    assert p.data_nbytes == 11 * 1 + 3 * 4
+    assert p.nbytes == len(p.to_bytes()) == 26 + 23
+    assert p.bits_per_coordinate == 8 * p.nbytes / 21
+
+
+def test_header_layout():
+    b = _raw()
+    assert b[:2] == b"GQ" and b[2] == 1 and b[3] == 2
+    assert int.from_bytes(b[4:8], "little") == spec_crc(SPEC)
+    assert int.from_bytes(b[8:16], "little") == 21
+    assert b[16] == 1 and int.from_bytes(b[17:21], "little") == 11     # uint8 x 11
+    assert b[21] == 8 and int.from_bytes(b[22:26], "little") == 3      # float32 x 3
+    p = _payload()
+    assert list(b[26:37]) == p["codes"].tolist()
+    assert b[37:] == p["scales"].numpy().astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_round_trip(as_bytes):
+    p = _payload()
+    buf = _raw() if as_bytes else p.to_bytes()
+    q = _parse(buf)
+    assert q.spec == SPEC and q.shape == SHAPE and q.numel == 21 and q.dtype == torch.float32
+    assert list(q.fields) == list(NAMES)
+    for k in NAMES:
+        assert q[k].dtype == p[k].dtype and torch.equal(q[k], p[k])
+    assert q.same_bytes(p) and q.nbytes == p.nbytes
+
+
+def test_round_trip_every_dtype_and_empty_fields():
+    g = torch.Generator().manual_seed(1)
+    fields = {f"f{i}": (torch.randn(i + 1, generator=g) * 50).to(dt) for i, dt in enumerate(ALL_DTYPES)}
+    fields["empty"] = torch.empty(0, dtype=torch.float32)
+    p = Payload("s", (5,), torch.float16, 5, fields)
+    buf = p.to_bytes()
+    assert p.nbytes == len(buf) == 16 + 5 * len(fields) + sum(t.numel() * t.element_size() for t in fields.values())
+    q = Payload.from_bytes(buf, names=list(fields), spec="s", shape=(5,), dtype=torch.float16)
+    for k, t in fields.items():
+        assert q[k].dtype == t.dtype and torch.equal(q[k], t)
+
+
+def test_no_fields_and_empty_tensor():
+    p = Payload("s", (0, 4), torch.float32, 0, {})
+    assert p.nbytes == len(p.to_bytes()) == 16
+    q = Payload.from_bytes(p.to_bytes(), names=(), spec="s", shape=(0, 4), dtype=torch.float32)
+    assert q.numel == 0 and q.fields == {}
+
+
+def test_missing_field_name_is_a_payload_error():
+    with pytest.raises(gradq.PayloadError, match="no field 'nope'"):
+        _payload()["nope"]
+
+
+# -- corruption ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_every_truncation_is_refused(as_bytes):
+    b = _raw()
+    for cut in range(len(b)):
+        if as_bytes and cut == 0:
+            continue  # see test_empty_bytes_object_is_refused
+        buf = b[:cut] if as_bytes else torch.tensor(list(b[:cut]), dtype=torch.uint8)
+        with pytest.raises(gradq.PayloadError):
+            _parse(buf)
+
+
+def test_empty_bytes_object_is_refused():
+    with pytest.raises(gradq.PayloadError):
+        _parse(b"")
+
+
+def _mutated(pos: int, value: int) -> bytes:
+    b = bytearray(_raw())
+    b[pos] = value
+    return bytes(b)
+
+
+@pytest.mark.parametrize("buf,match", [
+    (_raw() + b"\x00", "trailing"),
+    (_mutated(0, ord("X")), "magic"),
+    (_mutated(1, 0), "magic"),
+    (_mutated(2, 2), "version"),
+    (_mutated(2, 0), "version"),
+    (_mutated(3, 1), "fields"),
+    (_mutated(3, 3), "fields"),
+    (_mutated(5, _raw()[5] ^ 1), "spec"),
+    (_mutated(8, 22), "coordinates"),
+    (_mutated(15, 1), "coordinates"),
+    (_mutated(16, 0), "dtype code 0"),
+    (_mutated(16, 10), "dtype code 10"),
+    (_mutated(21, 255), "dtype code 255"),
+    (_mutated(17, 12), "truncated"),       # codes count 11 -> 12: scales run past the end
+    (_mutated(17, 10), "trailing"),        # codes count 11 -> 10: one byte left over
+    (_mutated(20, 1), "truncated"),        # a count in the billions
+    (_mutated(16, 8), "truncated"),        # codes as float32: 44 bytes, not 11
+], ids=["extra-byte", "magic0", "magic1", "version2", "version0", "nfields1", "nfields3", "crc", "numel-lo",
+        "numel-hi", "dtype0", "dtype10", "dtype255", "count+1", "count-1", "count-huge", "dtype-size"])
+def test_corruptions_are_refused(buf, match):
+    with pytest.raises(gradq.PayloadError, match=match):
+        _parse(buf)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"spec": SPEC + ",x=1"}, "different quantizer spec"),
+    ({"shape": (3, 8)}, "coordinates"),
+    ({"shape": (21, 1, 2)}, "coordinates"),
+    ({"names": ("codes",)}, "fields"),
+    ({"names": ("codes", "scales", "more")}, "fields"),
+])
+def test_mismatched_expectations_are_refused(kwargs, match):
+    with pytest.raises(gradq.PayloadError, match=match):
+        _parse(_raw(), **kwargs)
+
+
+def test_wrong_buffer_type_is_refused():
+    t = _payload().to_bytes()
+    with pytest.raises(gradq.PayloadError, match="uint8"):
+        _parse(t.to(torch.int16))
+    with pytest.raises(gradq.PayloadError, match="1-D"):
+        _parse(t.view(1, -1))
+
+
+def test_unsupported_field_dtype_is_refused_on_write():
+    p = Payload("s", (2,), torch.float32, 2, {"x": torch.zeros(2, dtype=torch.bool)})
+    with pytest.raises(gradq.PayloadError, match="unsupported dtype"):
+        p.to_bytes()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 48), st.integers(0, 255)), min_size=1, max_size=4),
+       st.integers(-3, 3))
+def test_random_mutations_parse_or_raise_payload_error(edits, resize):
+    b = bytearray(_raw())
+    for pos, val in edits:
+        b[pos % len(b)] = val
+    if resize > 0:
+        b += bytes(resize)
+    elif resize < 0:
+        del b[resize:]
+    try:
+        q = _parse(bytes(b))
+    except gradq.PayloadError:
+        return
+    # Anything that parses accounts for every byte and has the expected structure.
+    assert q.nbytes == len(b) and q.numel == 21 and list(q.fields) == list(NAMES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip():
+    p = _payload().to("cuda")
+    buf = p.to_bytes()
+    assert buf.is_cuda and torch.equal(buf.cpu(), _payload().to_bytes())
+    q = _parse(buf)
+    assert q.device.type == "cuda" and torch.equal(q["scales"].cpu(), _payload()["scales"])

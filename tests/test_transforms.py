@@ -1,0 +1,98 @@
+"""Error feedback: residual bookkeeping, checkpointing, spec spellings."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import gradq
+from gradq import ErrorFeedback, SpecError
+
+
+def test_spellings_build_the_same_wrapper():
+    a = gradq.build("ef(qsgd:bits=2)")
+    b = gradq.build("qsgd:bits=2,ef=1")
+    assert isinstance(a, ErrorFeedback) and a == b
+    assert str(a) == "ef(qsgd:bits=2,bucket=512,norm=max)"
+    assert gradq.build(str(a)) == a
+    assert not isinstance(gradq.build("qsgd:bits=2,ef=0"), ErrorFeedback)
+
+
+def test_double_wrapping_is_refused():
+    with pytest.raises(SpecError, match="already has error feedback"):
+        gradq.build("ef(qsgd:ef=1)")
+    with pytest.raises(SpecError):
+        ErrorFeedback(gradq.build("ef(qsgd)"))
+
+
+def test_residual_keeps_the_sum_of_updates_on_track():
+    """Σ decoded = Σ inputs − final residual, exactly (up to float rounding), for a biased quantizer."""
+    ef = gradq.build("ef(topk:k=3)")
+    total_in = torch.zeros(50)
+    total_out = torch.zeros(50)
+    for step in range(30):
+        x = torch.randn(50, generator=torch.Generator().manual_seed(step))
+        total_in += x
+        total_out += ef.roundtrip(x, seed=step, name="w")
+    assert torch.allclose(total_out, total_in - ef.residuals["w"], atol=1e-4)
+
+
+def test_residuals_are_per_name_and_shape_checked():
+    ef = gradq.build("ef(signsgd)")
+    ef.encode(torch.randn(10), seed=0, name="a")
+    ef.encode(torch.randn(4, 4), seed=0, name="b")
+    assert ef.residuals["a"].shape == (10,) and ef.residuals["b"].shape == (4, 4)
+    with pytest.raises(ValueError, match="residual for 'a'"):
+        ef.encode(torch.randn(11), seed=0, name="a")
+
+
+def test_state_dict_resumes_exactly():
+    """Save after 3 steps, restore into a fresh wrapper: the next steps give identical bytes."""
+    xs = [torch.randn(300, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    ref = gradq.build("ef(qsgd:bits=2,bucket=64)")
+    for i in range(3):
+        ref.encode(xs[i], seed=i, name="layer")
+    buf = io.BytesIO()
+    torch.save(ref.state_dict(), buf)
+    buf.seek(0)
+    resumed = gradq.build("ef(qsgd:bits=2,bucket=64)")
+    resumed.load_state_dict(torch.load(buf))
+    for i in range(3, 6):
+        assert ref.encode(xs[i], seed=i, name="layer").same_bytes(resumed.encode(xs[i], seed=i, name="layer"))
+
+
+def test_state_dict_refuses_another_spec():
+    state = gradq.build("ef(qsgd:bits=2)").state_dict()
+    with pytest.raises(ValueError, match="saved for"):
+        gradq.build("ef(qsgd:bits=4)").load_state_dict(state)
+
+
+def test_non_finite_input_does_not_touch_the_residual():
+    ef = gradq.build("ef(qsgd)")
+    ef.encode(torch.ones(8), seed=0, name="w")
+    before = ef.residuals["w"].clone()
+    bad = torch.ones(8)
+    bad[2] = float("nan")
+    with pytest.raises(gradq.NonFiniteError):
+        ef.encode(bad, seed=1, name="w")
+    assert torch.equal(ef.residuals["w"], before)
+
+
+def test_reset_and_properties():
+    ef = gradq.build("ef(maxnorm:bits=2)")
+    assert ef.summable and not ef.unbiased
+    ef.encode(torch.randn(5), seed=0)
+    ef.reset()
+    assert ef.residuals == {}
+
+
+def test_summable_codes_update_the_residual():
+    """encode_codes under a shared scale: residual = input − own decoded codes."""
+    ef = gradq.build("ef(maxnorm:bits=2)")
+    x = torch.randn(100)
+    w = torch.tensor([float(x.abs().max()) * 2])
+    codes = ef.encode_codes(x, shared={"scale": w}, seed=3, name="p")
+    mine = ef.decode_codes(codes, shared={"scale": w}, count=1, like=x)
+    assert torch.allclose(ef.residuals["p"], x - mine)
