@@ -53,7 +53,7 @@ def _cmd_compare(args: argparse.Namespace, specs: Sequence[str]) -> int:
     grads = model_gradients(model, data, warm_steps=args.warm_steps, seed=args.seed)
     n = sum(v.numel() for _, v in grads)
     print(f"gradients of {args.model} on {data.name} after {args.warm_steps} SGD steps: {len(grads)} tensors, "
-          f"{n} coordinates; {args.trials} encodes per scheme (bias: sampling floor removed)", flush=True)
+          f"{n} coordinates; {args.trials} encodes per scheme ('<x': bias below what the trials resolve)", flush=True)
     done = [0]
 
     def progress(row):

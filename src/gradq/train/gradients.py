@@ -7,9 +7,12 @@ different seeds, and reports
 
 * ``bits_per_coord`` — ``8·Σ nbytes / Σ n`` over the layers, header bytes included;
 * ``rel_error`` — mean over trials of ``Σ‖Q(v) − v‖² / Σ‖v‖²``;
-* ``rel_bias`` — ``‖mean_trials Q(v) − v‖ / ‖v‖`` with the sampling floor removed: the squared distance
-  of the trial mean from ``v`` is ``bias² + error/trials`` in expectation, so we report
-  ``sqrt(max(0, ‖mean − v‖²/‖v‖² − rel_error/trials))``. It is ~0 for unbiased schemes;
+* ``rel_bias`` — ``‖E[Q(v)] − v‖ / ‖v‖``, from the unbiased estimator of the squared bias
+  ``U = Σ_{a≠b} ⟨e_a, e_b⟩ / (T(T−1))`` with ``e_t = Q_t(v) − v`` over the ``T`` trials (independent
+  trials make every cross term an unbiased estimate of ``‖E e‖²``), reported as ``sqrt(max(0, U))/‖v‖``;
+* ``bias_noise`` — the smallest relative bias the trials can resolve: three standard deviations of
+  ``U`` when the true bias is zero, ``3·sqrt(2·Σ_i σ_i⁴ / (T(T−1)))``, with ``σ_i²`` the per-coordinate
+  sample variances, as a relative norm. A ``rel_bias`` below it is indistinguishable from zero;
 * ``encode_ms`` / ``decode_ms`` — median wall time of one pass over all layers.
 """
 
@@ -63,6 +66,7 @@ def compare_quantizers(specs: Iterable[str], grads: list[tuple[str, torch.Tensor
     for spec in specs:
         proto = build(spec)
         sums = [torch.zeros_like(v, dtype=torch.float64) for _, v in grads]
+        sq_sums = [torch.zeros_like(v, dtype=torch.float64) for _, v in grads]
         errs, enc_t, dec_t, nbytes = [], [], [], 0
         for t in range(trials):
             q = build(spec)  # fresh state: error-feedback residuals start at zero in every trial
@@ -71,17 +75,22 @@ def compare_quantizers(specs: Iterable[str], grads: list[tuple[str, torch.Tensor
             enc_t.append(te)
             dec_t.append(td)
             err = 0.0
-            for (name, v), y, acc in zip(grads, outs, sums):
-                err += float(((y.double() - v.double()) ** 2).sum())
-                acc += y.double()
+            for (name, v), y, acc, acc2 in zip(grads, outs, sums, sq_sums):
+                e = y.double() - v.double()
+                err += float((e ** 2).sum())
+                acc += e
+                acc2 += e ** 2
             errs.append(err / total_sq)
         rel_error = statistics.fmean(errs)
-        dist = sum(float(((acc / trials - v.double()) ** 2).sum()) for (_, v), acc in zip(grads, sums)) / total_sq
-        rel_bias = max(0.0, dist - rel_error / trials) ** 0.5
+        pairs = trials * (trials - 1)
+        cross = sum(float((acc ** 2).sum() - acc2.sum()) for acc, acc2 in zip(sums, sq_sums))
+        rel_bias = max(0.0, cross / pairs / total_sq) ** 0.5
+        var4 = sum(float((((acc2 - acc ** 2 / trials) / (trials - 1)) ** 2).sum()) for acc, acc2 in zip(sums, sq_sums))
+        bias_noise = (3 * (2 * var4 / pairs) ** 0.5 / total_sq) ** 0.5
         rows.append({
             "compressor": str(proto), "unbiased": bool(proto.unbiased), "summable": bool(proto.summable),
             "bits_per_coord": 8.0 * nbytes / total_n, "compression": 32.0 * total_n / (8.0 * nbytes),
-            "rel_error": rel_error, "rel_bias": rel_bias,
+            "rel_error": rel_error, "rel_bias": rel_bias, "bias_noise": bias_noise,
             "encode_ms": 1e3 * statistics.median(enc_t), "decode_ms": 1e3 * statistics.median(dec_t),
         })
         if progress:
@@ -93,8 +102,13 @@ def format_table(rows: list[dict]) -> str:
     """A fixed-width text table of :func:`compare_quantizers` rows."""
     head = ["compressor", "bits/coord", "ratio", "rel. error", "rel. bias", "unbiased", "summable",
             "enc ms", "dec ms"]
+    def bias(r):
+        if r["rel_bias"] > r["bias_noise"] or r["bias_noise"] == 0:
+            return f"{r['rel_bias']:.3g}"
+        return f"<{r['bias_noise']:.2g}"
+
     body = [[r["compressor"], f"{r['bits_per_coord']:.3f}", f"{r['compression']:.1f}x", f"{r['rel_error']:.4g}",
-             f"{r['rel_bias']:.3g}", "yes" if r["unbiased"] else "no", "yes" if r["summable"] else "no",
+             bias(r), "yes" if r["unbiased"] else "no", "yes" if r["summable"] else "no",
              f"{r['encode_ms']:.1f}", f"{r['decode_ms']:.1f}"] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
