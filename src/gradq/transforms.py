@@ -126,13 +126,13 @@ class ErrorFeedback(Quantizer):
         self.residuals[self._key(name)] = (u - self.inner.decode(payload).to(torch.float32)).detach()
         return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields)
 
-    def decode(self, payload: Payload) -> torch.Tensor:
+    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if payload.spec != self.spec:
             from .errors import PayloadError
 
             raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
         inner = Payload(self.inner.spec, payload.shape, payload.dtype, payload.numel, payload.fields)
-        return self.inner.decode(inner)
+        return self.inner.decode(inner, out=out)
 
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,

@@ -8,6 +8,8 @@ the workers' integer codes decodes to the mean of their decoded tensors.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -24,7 +26,8 @@ VARIANTS = [
     "orq:levels=3,bucket=16", "orq:levels=17", "linear:levels=9,bucket=24",
     "bingrad-pb:bucket=none", "bingrad-b:iters=3,bucket=9", "signsgd:bucket=none", "onebit:ef=0,bucket=16",
     "topk:k=5", "randk:ratio=0.5,rescale=1", "ef(qsgd:bits=2)", "qsgd:bits=3,ef=1",
-]
+    "qsgd:coding=elias", "qsgd:levels=1000,bucket=none,norm=l2,coding=elias-dense", "qsgd:bits=2,coding=elias-sparse",
+] + (["qsgd:bits=2,coding=ans"] if importlib.util.find_spec("constriction") else [])  # optional package
 
 ALL_SPECS = sorted(gradq.available()) + VARIANTS
 UNBIASED_SPECS = [s for s in ALL_SPECS if gradq.build(s).unbiased]
@@ -124,6 +127,19 @@ def test_bytes_round_trip(spec):
     p = q.encode(x, seed=4)
     back = _fresh(spec).payload_from_bytes(p.to_bytes(), x.shape, x.dtype)
     assert torch.equal(_fresh(spec).decode(back), q.decode(p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_out(spec, dtype):
+    """decode(p, out=t) writes the same values into t (and returns it); a wrong shape is refused."""
+    q = _fresh(spec)
+    x = _data((30, 41), dtype, seed=5)
+    p = q.encode(x, seed=2)
+    out = torch.full_like(x, 7.0)
+    assert q.decode(p, out=out) is out
+    assert torch.equal(out, q.decode(p))
+    with pytest.raises(ValueError, match="out= must have shape"):
+        q.decode(p, out=torch.empty(30 * 41, dtype=dtype))
 
 
 def test_foreign_payload_is_refused(spec):

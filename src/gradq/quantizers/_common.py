@@ -9,8 +9,20 @@ import torch
 
 from ..random import RandomStream
 
-__all__ = ["num_buckets", "bucket_chunks", "bucket_view", "stochastic_round", "code_width",
+__all__ = ["fast_cpu", "num_buckets", "bucket_chunks", "bucket_view", "stochastic_round", "code_width",
            "levels_from_bits", "bucket_norms"]
+
+
+def fast_cpu(t: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels (:mod:`gradq.kernels`) should handle ``t``: a CPU tensor and
+    kernels available (numba loads, and neither ``GRADQ_KERNELS=0`` nor ``set_enabled(False)``).
+    They give the same bytes as the plain-torch code they replace, which stays the reference and the
+    path for every other device."""
+    if t.device.type != "cpu":
+        return False
+    from .. import kernels
+
+    return kernels.available()
 
 
 def num_buckets(n: int, bucket: Optional[int]) -> int:

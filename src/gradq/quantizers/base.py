@@ -50,11 +50,25 @@ class EncodeContext:
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_seed: Optional[int] = None
     name: Optional[str] = None
+    #: this worker's own shared stats (before any reduction), for validating ``shared``
+    own: dict[str, SharedStat] = field(default_factory=dict)
+    #: per-call values a scheme computes once in ``_own_stats`` and reuses in ``_encode``
+    scratch: dict[str, Any] = field(default_factory=dict)
 
 
 def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
-    """Raise :class:`NonFiniteError` naming the tensor if ``x`` holds NaN or Inf."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    """Raise :class:`NonFiniteError` naming the tensor if ``x`` holds NaN or Inf.
+
+    Screens with one sum (float32 accumulation): in IEEE arithmetic a NaN or Inf element makes the sum
+    NaN or Inf whatever the order, so a finite sum proves every element finite. Only a non-finite sum
+    (a real NaN/Inf, or finite values whose sum overflows) pays for the exact element-wise check. The
+    screen runs at memory speed (~3 ms for 25M values here, against ~100 ms for ``isfinite().all()``)."""
+    if not x.numel():
+        return
+    acc = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if bool(torch.isfinite(acc)):
+        return
+    if not bool(torch.isfinite(x).all()):
         nan = int(torch.isnan(x).sum())
         inf = int(torch.isinf(x).sum())
         label = f"tensor {name!r}" if name else "the input tensor"
@@ -156,6 +170,11 @@ class Quantizer:
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {}
 
+    def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
+        """The encode-time version of :meth:`_shared_stats`; a scheme may override it to stash
+        by-products in ``ctx.scratch`` (e.g. TernGrad's clipping bound) instead of recomputing them."""
+        return self._shared_stats(v, ctx.shared_seed)
+
     # -- encode / decode ---------------------------------------------------------------------------
     def _flatten(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -191,7 +210,7 @@ class Quantizer:
         if self.needs_shared_seed and shared_seed is None:
             shared_seed = rng.child(0x5EED).seed
         ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
-        own = self._shared_stats(v, shared_seed)
+        own = ctx.own = self._own_stats(v, ctx)
         if shared is None:
             ctx.shared = {k: s.value for k, s in own.items()}
         else:
@@ -212,16 +231,32 @@ class Quantizer:
             out[k] = val.to(device=stat.value.device, dtype=stat.value.dtype)
         return out
 
-    def decode(self, payload: Payload) -> torch.Tensor:
+    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode a payload made by an equal quantizer; returns a tensor of the original shape,
-        dtype and device (the device of the payload's fields)."""
+        dtype and device (the device of the payload's fields).
+
+        ``out``: a tensor of the payload's shape and dtype to decode into (returned). A contiguous
+        float32 CPU ``out`` is written directly by the fused kernels, which saves allocating (and
+        page-faulting) a fresh output — what a communication hook decoding into its bucket wants."""
         if not isinstance(payload, Payload):
             raise TypeError(f"{self.name}: expected a gradq Payload, got {type(payload).__name__}")
         if payload.spec != self.spec:
             raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
         self._check_fields(payload)
+        if out is not None:
+            if tuple(out.shape) != tuple(payload.shape) or out.dtype != payload.dtype:
+                raise ValueError(f"{self.name}: out= must have shape {tuple(payload.shape)} and dtype "
+                                 f"{payload.dtype}, got {tuple(out.shape)} {out.dtype}")
+            if out.dtype == torch.float32 and out.is_contiguous() and out.device == payload.device:
+                if self._decode_into(payload.fields, payload.numel, out.view(-1)):
+                    return out
+            return out.copy_(self._decode(payload.fields, payload.numel).reshape(out.shape))
         v = self._decode(payload.fields, payload.numel)
         return v.reshape(payload.shape).to(payload.dtype)
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        """Decode straight into the flat float32 ``out`` if this scheme has such a path (return True)."""
+        return False
 
     def roundtrip(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``decode(encode(x, **kwargs))``."""
@@ -302,9 +337,10 @@ class SummableQuantizer(Quantizer):
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
-        own = self._shared_stats(v, shared_seed)
-        sh = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
-        return self._codes(v, EncodeContext(rng=rng, shared=sh, shared_seed=shared_seed, name=name))
+        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
+        own = ctx.own = self._own_stats(v, ctx)
+        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        return self._codes(v, ctx)
 
     def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
                      like: Optional[torch.Tensor] = None, numel: Optional[int] = None,

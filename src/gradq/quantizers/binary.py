@@ -42,7 +42,8 @@ import torch
 from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from ..spec import IntParam, register
 from .base import EncodeContext, Quantizer
-from ._common import bucket_chunks, num_buckets
+from .. import kernels
+from ._common import bucket_chunks, fast_cpu, num_buckets
 from .orq import bucket_index
 
 __all__ = ["BinGradPB", "BinGradB", "SignSGD", "OneBit", "bingrad_pb_threshold", "bingrad_b_levels"]
@@ -95,11 +96,25 @@ class _OneBit(Quantizer):
         return {"codes": (torch.uint8, packed_nbytes(numel, 1)),
                 "levels": (torch.float32, num_buckets(numel, self.bucket) * self.per_bucket)}
 
-    def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bits (bool ``(k, d)``) and per-bucket values (``(k, per_bucket)``) of a bucket matrix."""
+    #: whether the bit is a deterministic threshold test (``_threshold_levels``), so the fused
+    #: compare-and-pack kernel can make it
+    thresholded = True
+
+    def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-bucket float64 thresholds ``(k,)`` (bit = ``float64(g) >= t``) and values ``(k, per_bucket)``."""
         raise NotImplementedError
 
+    def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bits (bool ``(k, d)``) and per-bucket values (``(k, per_bucket)``) of a bucket matrix."""
+        t, lv = self._threshold_levels(mat)
+        return mat.to(torch.float64) >= t.unsqueeze(1), lv
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if self.thresholded and fast_cpu(v) and v.numel():  # values from torch, fused compare + pack
+            parts = [self._threshold_levels(mat) for mat in bucket_chunks(v, self.bucket)]
+            t = torch.cat([p[0] for p in parts]).to(torch.float64)
+            vals = torch.cat([p[1].to(torch.float32).reshape(-1) for p in parts])
+            return {"codes": kernels.threshold_encode(v, t, self.bucket), "levels": vals}
         bits, vals = [], []
         for mat in bucket_chunks(v, self.bucket):
             b, lv = self._chunk(mat, ctx)
@@ -111,6 +126,9 @@ class _OneBit(Quantizer):
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         levels = fields["levels"].to(torch.float32)
+        if fast_cpu(fields["codes"]) and numel:
+            lv = levels.view(-1, 2) if self.per_bucket == 2 else levels
+            return kernels.bit_decode(fields["codes"], lv, self.bucket, numel)
         bits = unpack_bits(fields["codes"], 1, numel).to(device=levels.device, dtype=torch.int64)
         bidx = bucket_index(numel, self.bucket, levels.device)
         if self.per_bucket == 2:   # (lower, upper) per bucket
@@ -125,6 +143,8 @@ class BinGradPB(_OneBit):
     Spec: ``bingrad-pb:bucket=512`` (default). [reconstructed] paper 003. Biased (clipping).
     Wire: 1 bit per coordinate + 1 float32 per bucket.
     """
+
+    thresholded = False  # stochastic bits inside [-b, b]
 
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
@@ -152,9 +172,9 @@ class BinGradB(_OneBit):
     def __init__(self, bucket: Optional[int] = 512, iters: int = 0) -> None:
         super().__init__(bucket=bucket, iters=iters)
 
-    def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, b0, b1 = bingrad_b_levels(mat, self.iters)
-        return mat.to(torch.float64) >= t.unsqueeze(1), torch.stack([b0, b1], dim=1)
+        return t, torch.stack([b0, b1], dim=1)
 
 
 @register("signsgd")
@@ -167,9 +187,9 @@ class SignSGD(_OneBit):
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
 
-    def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = mat.to(torch.float64).abs().mean(dim=1, keepdim=True)
-        return mat >= 0, scale
+        return scale.new_zeros(mat.shape[0]), scale  # bit = g >= 0
 
 
 @register("onebit")
@@ -186,8 +206,8 @@ class OneBit(_OneBit):
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
 
-    def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m64 = mat.to(torch.float64)
         upper = mat >= 0
         zero = m64.new_zeros(mat.shape[0])
-        return upper, torch.stack([_masked_mean(m64, ~upper, zero), _masked_mean(m64, upper, zero)], dim=1)
+        return zero, torch.stack([_masked_mean(m64, ~upper, zero), _masked_mean(m64, upper, zero)], dim=1)

@@ -22,7 +22,8 @@ import torch
 from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from ..spec import IntParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
-from ._common import bucket_norms, bucket_view, code_width, num_buckets
+from .. import kernels
+from ._common import fast_cpu, bucket_norms, bucket_view, code_width, num_buckets
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode
 
 __all__ = ["MaxNorm", "check_shared_scale"]
@@ -64,19 +65,33 @@ class MaxNorm(SummableQuantizer):
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        if self.norm == "max" and fast_cpu(v):
+            return {"scale": SharedStat(kernels.maxabs_scales(v, self.bucket), "max")}
         return {"scale": SharedStat(bucket_norms(bucket_view(v, self.bucket), self.norm), "max")}
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
-        mat = bucket_view(v, self.bucket)
         scale = ctx.shared["scale"]
-        check_shared_scale(self.name, scale, bucket_norms(mat, self.norm))
-        return uniform_codes(mat, scale, self.s, ctx.rng).reshape(-1)[: v.numel()]
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        return uniform_codes(bucket_view(v, self.bucket), scale, self.s, ctx.rng).reshape(-1)[: v.numel()]
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        scale = ctx.shared["scale"].to(torch.float32)
+        if fast_cpu(v):
+            check_shared_scale(self.name, scale, ctx.own["scale"].value)
+            return {"codes": kernels.uniform_encode(v, scale, self.s, self.bucket, self.width, ctx.rng),
+                    "scales": scale}
         codes = self._codes(v, ctx)
-        return {"codes": pack_bits(codes + self.s, self.width), "scales": ctx.shared["scale"].to(torch.float32)}
+        return {"codes": pack_bits(codes + self.s, self.width), "scales": scale}
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        if not fast_cpu(out):
+            return False
+        kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+        return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        if fast_cpu(fields["codes"]):
+            return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
         codes = unpack_bits(fields["codes"], self.width, numel) - self.s
         return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
 

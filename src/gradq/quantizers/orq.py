@@ -45,7 +45,8 @@ from ..errors import PayloadError
 from ..random import RandomStream
 from ..spec import ChoiceParam, IntParam, register
 from .base import EncodeContext, Quantizer
-from ._common import bucket_chunks, code_width, num_buckets
+from .. import kernels
+from ._common import bucket_chunks, code_width, fast_cpu, num_buckets
 
 __all__ = ["ORQ", "Linear", "orq_levels", "linear_levels", "round_to_levels", "bucket_index"]
 
@@ -94,7 +95,8 @@ def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
         cand = torch.where(ok, srt, inf)
         c = torch.full((nb, m - 1), math.inf, dtype=torch.float32, device=mat.device)
         c = c.scatter_reduce(1, ids, cand, reduce="amin", include_self=True)
-        mid = 0.5 * lv[:, :-1] + 0.5 * lv[:, 1:]   # halves first: no overflow, stays in [a, b]
+        # halves first (no overflow), then clamp: with equal odd denormal ends 0.5a + 0.5a can leave [a, b]
+        mid = torch.minimum(torch.maximum(0.5 * lv[:, :-1] + 0.5 * lv[:, 1:], lv[:, :-1]), lv[:, 1:])
         c = torch.where(torch.isinf(c), mid, c)
         lv = torch.cat([torch.stack([lv[:, :-1], c], dim=2).reshape(nb, -1), lv[:, -1:]], dim=1)
     return lv
@@ -150,6 +152,10 @@ class _LevelQuantizer(Quantizer):
                 "levels": (torch.float32, num_buckets(numel, self.bucket) * self.levels)}
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if fast_cpu(v) and v.numel():  # levels from torch, then fused rounding + packing
+            lv = torch.cat([self._levels(mat) for mat in bucket_chunks(v, self.bucket)])
+            return {"codes": kernels.levels_encode(v, lv, self.bucket, self.width, ctx.rng),
+                    "levels": lv.reshape(-1)}
         codes, levels = [], []
         for mat in bucket_chunks(v, self.bucket):
             lv = self._levels(mat)
@@ -161,6 +167,9 @@ class _LevelQuantizer(Quantizer):
         return {"codes": pack_bits(torch.cat(codes), self.width), "levels": torch.cat(levels)}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        if fast_cpu(fields["codes"]) and numel:
+            lv = fields["levels"].view(-1, self.levels)
+            return kernels.levels_decode(fields["codes"], lv, self.bucket, self.width, numel)
         levels = fields["levels"].to(torch.float32)
         codes = unpack_bits(fields["codes"], self.width, numel).to(torch.int64)
         if bool((codes >= self.levels).any()):

@@ -12,7 +12,29 @@ Bits (ALGORITHMS.md §0): ``bits=b`` means ``s = 2^(b−1) − 1`` (2 bits: tern
 8 bits: s = 127), stored as ``b``-bit offset-binary fields ``c + s``; ``levels=s`` may be given instead
 (field width ``ceil(log2(2s+1))``).
 
-Wire: ``ceil(n·width/8)`` bytes of packed codes + one float32 scale per bucket (+ the payload header).
+Wire (``coding=fixed``, the default): ``ceil(n·width/8)`` bytes of packed codes + one float32 scale per
+bucket (+ the 26-byte payload header).
+
+**Elias coding** (section 3.1, Theorem 3.2, Corollary 3.3; ALGORITHMS.md §1.1): ``coding=elias-sparse``
+writes the paper's sparse layout (Elias-coded gaps, signs, magnitudes), ``coding=elias-dense`` the
+``s ≈ √n`` layout (Elias(|c|+1) and a sign per coordinate), ``coding=elias`` the shorter of the two per
+payload (one flag bit) — see :mod:`gradq.codecs.qsgd_stream`. The codes are exactly those of the fixed
+coding for the same seed; only their wire form differs. Fields: ``stream`` (uint8, variable length),
+``scales`` (float32 per bucket), ``crc`` (one int32: CRC-32 of the stream bytes **[decided]**, so any
+truncation, extension or bit flip of the stream is detected; the stream decoder is strict on its own
+too). Wire size ``31 + len(stream) + 4·B + 4`` bytes for ``B`` buckets; Theorem 3.2 bounds the expected
+stream length for ``norm=l2`` by ``(3 + 1.5·log(2(s² + d)/(s(s + √d))))·s(s + √d)`` bits per bucket of
+``d`` coordinates.
+
+**ANS coding** (``coding=ans`` **[decided]**, not in the papers; needs the optional ``constriction``
+package): the same codes, range-coded (rANS) under their own histogram, which the payload carries as
+the Elias-omega-coded ``count + 1`` of every value in ``[lo, lo + K)``. Fields ``ans`` (the coder's 32-bit
+words as bytes), ``model``, ``range`` (int32 ``lo, K``), ``scales``, ``crc`` (CRC-32 of ans, model and
+range); wire size ``41 + len(ans) + len(model) + 8 + 4·B + 4`` bytes — within a few percent of
+``n·H(codes)`` on large tensors (docs/performance.md).
+
+With an Elias or ANS coding ``levels`` may go up to ``2**20`` (the ``s = √n`` regime); fixed-width fields
+hold at most 8 bits (``levels ≤ 127``).
 """
 
 from __future__ import annotations
@@ -21,11 +43,13 @@ from typing import Mapping, Optional
 
 import torch
 
+from ..codecs.ans import ans_decode_codes, ans_encode_codes, constriction_module, crc_field
 from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
-from ..errors import SpecError
+from ..errors import PayloadError, SpecError
 from ..spec import ChoiceParam, IntParam, register
 from .base import EncodeContext, Quantizer
-from ._common import bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets, stochastic_round
+from .. import kernels
+from ._common import fast_cpu, bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets, stochastic_round
 
 __all__ = ["QSGD", "uniform_codes", "uniform_decode", "resolve_levels"]
 
@@ -33,6 +57,18 @@ BITS = IntParam("bits", None, "bits per coordinate (s = 2^(bits-1) - 1); default
 LEVELS = IntParam("levels", None, "number of levels s per sign, instead of bits", allow_none=True, lo=1, hi=127)
 NORM = ChoiceParam("norm", "max", "bucket norm: max-abs (paper's experiments) or l2 (analysed)",
                    choices=("max", "l2"))
+#: most levels an Elias-coded QSGD accepts (s = √n for n up to 2**40)
+MAX_ELIAS_LEVELS = 1 << 20
+_QSGD_LEVELS = IntParam("levels", None, "number of levels s per sign, instead of bits (above 127: coding=elias)",
+                        allow_none=True, lo=1, hi=MAX_ELIAS_LEVELS)
+CODING = ChoiceParam("coding", "fixed",
+                     "wire form of the codes: fixed-width fields, or an Elias omega stream (elias = the "
+                     "shorter of the sparse and dense layouts, per payload), or rANS under the codes' histogram "
+                     "(ans; optional package constriction)",
+                     choices=("fixed", "elias", "elias-sparse", "elias-dense", "ans"))
+_LAYOUT = {"elias": "auto", "elias-sparse": "sparse", "elias-dense": "dense"}
+_STREAM_FIELDS = ("stream", "scales", "crc")
+_ANS_FIELDS = ("ans", "model", "range", "scales", "crc")
 
 
 def resolve_levels(name: str, bits: Optional[int], levels: Optional[int], default_bits: int = 4) -> int:
@@ -56,7 +92,8 @@ def uniform_codes(mat: torch.Tensor, scales: torch.Tensor, s: int, rng) -> torch
     """Signed integer codes in ``[-s, s]`` of a bucket matrix under per-row ``scales``:
     ``sgn(v)·round_stochastic(|v|·s/scale)``; a zero scale gives zero codes."""
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-    a = mat.abs() * (s / safe)
+    # a scale below s/3.4e38 makes s/scale overflow to inf; 0·inf must stay 0 (a zero stays a zero)
+    a = torch.nan_to_num(mat.abs() * (s / safe), nan=0.0)
     mag = stochastic_round(a, rng).clamp_(max=s)
     return (torch.sign(mat) * mag).to(torch.int32)
 
@@ -70,35 +107,107 @@ def uniform_decode(codes: torch.Tensor, scales: torch.Tensor, s: float, n: int,
 
 @register("qsgd")
 class QSGD(Quantizer):
-    """QSGD with ``s`` levels, per-bucket norm scaling and packed fixed-width codes.
+    """QSGD with ``s`` levels, per-bucket norm scaling and packed fixed-width or entropy-coded codes.
 
-    Spec: ``qsgd:bits=4,bucket=512,norm=max`` (defaults). Unbiased; not summable (each worker's
-    scale is its own — see ``maxnorm`` for the shared-scale variant).
+    Spec: ``qsgd:bits=4,bucket=512,norm=max`` (defaults; ``coding=fixed`` is not printed), e.g.
+    ``qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse`` for the paper's Elias-coded scheme,
+    ``qsgd:levels=1000,bucket=none,norm=l2,coding=elias-dense`` for ``s ≈ √n``, or ``coding=ans`` (needs
+    the optional ``constriction`` package). Unbiased; not summable (each worker's scale is its own — see
+    ``maxnorm`` for the shared-scale variant).
     """
 
-    params = (BITS, LEVELS, IntParam("bucket", 512, "bucket size (none = whole tensor)", allow_none=True, lo=1),
-              NORM)
+    params = (BITS, _QSGD_LEVELS,
+              IntParam("bucket", 512, "bucket size (none = whole tensor)", allow_none=True, lo=1), NORM, CODING)
     unbiased = True
 
     def __init__(self, bits: Optional[int] = None, levels: Optional[int] = None, bucket: Optional[int] = 512,
-                 norm: str = "max") -> None:
-        super().__init__(bits=bits, levels=levels, bucket=bucket, norm=norm)
+                 norm: str = "max", coding: str = "fixed") -> None:
+        super().__init__(bits=bits, levels=levels, bucket=bucket, norm=norm, coding=coding)
         self.s = resolve_levels(self.name, self.bits, self.levels)
+        if self.coding == "fixed" and self.s > 127:
+            raise SpecError(f"{self.name}: levels={self.s} is too many for fixed-width fields (at most 8 bits, "
+                            "levels <= 127); levels above 127 need coding=elias")
+        if self.coding == "ans":
+            constriction_module()
         self.width = code_width(2 * self.s + 1)
 
     def _spec_items(self) -> list[tuple[str, str]]:
-        return levels_spec_items(self.s) + [(k, v) for k, v in super()._spec_items() if k not in ("bits", "levels")]
+        rest = [(k, v) for k, v in super()._spec_items()
+                if k not in ("bits", "levels") and not (k == "coding" and v == "fixed")]
+        return levels_spec_items(self.s) + rest
 
-    def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+    def field_layout(self, numel: int) -> Optional[dict[str, tuple[torch.dtype, int]]]:
+        if self.coding != "fixed":
+            return None  # the stream's length depends on the data
         return {"codes": (torch.uint8, packed_nbytes(numel, self.width)),
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
 
+    def wire_fields(self, numel: int) -> tuple[str, ...]:
+        if self.coding == "fixed":
+            return super().wire_fields(numel)
+        return _ANS_FIELDS if self.coding == "ans" else _STREAM_FIELDS
+
+    def _check_fields(self, payload) -> None:
+        if self.coding == "fixed":
+            return super()._check_fields(payload)
+        f, names = payload.fields, self.wire_fields(payload.numel)
+        if tuple(f) != names:
+            raise PayloadError(f"{self.name}: payload fields {list(f)} != expected {list(names)}")
+        fixed = {"scales": (torch.float32, num_buckets(payload.numel, self.bucket)), "crc": (torch.int32, 1),
+                 "range": (torch.int32, 2), "stream": (torch.uint8, None), "ans": (torch.uint8, None),
+                 "model": (torch.uint8, None)}
+        for k in names:
+            dt, cnt = fixed[k]
+            if f[k].dtype != dt or (cnt is not None and f[k].numel() != cnt):
+                raise PayloadError(f"{self.name}: field {k!r} is {f[k].dtype}[{f[k].numel()}], expected "
+                                   f"{dt}[{'any' if cnt is None else cnt}]")
+        if "stream" in f and f["stream"].numel() < 1:
+            raise PayloadError(f"{self.name}: field 'stream' is empty (every stream holds a layout flag bit)")
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if self.coding == "fixed" and fast_cpu(v):
+            if self.norm == "max":  # norm, quantize and pack fused per bucket
+                packed, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, self.width, ctx.rng)
+            else:
+                scales = bucket_norms(bucket_view(v, self.bucket), self.norm)
+                packed = kernels.uniform_encode(v, scales, self.s, self.bucket, self.width, ctx.rng)
+            return {"codes": packed, "scales": scales}
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
         codes = uniform_codes(mat, scales, self.s, ctx.rng).reshape(-1)[: v.numel()]
-        return {"codes": pack_bits(codes + self.s, self.width), "scales": scales}
+        if self.coding == "fixed":
+            return {"codes": pack_bits(codes + self.s, self.width), "scales": scales}
+        if self.coding == "ans":
+            out = ans_encode_codes(codes)
+            crc = crc_field(out["ans"], out["model"], out["range"])
+            out = {k: t.to(v.device) for k, t in out.items()}
+            return {**out, "scales": scales, "crc": crc.to(v.device)}
+        from ..codecs.qsgd_stream import encode_stream  # numba-compiled; loaded on first use
+
+        stream = encode_stream(codes, self.s, _LAYOUT[self.coding])
+        return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        if self.coding != "fixed" or not fast_cpu(out):
+            return False
+        kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+        return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        codes = unpack_bits(fields["codes"], self.width, numel) - self.s
-        return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
+        if self.coding == "fixed":
+            if fast_cpu(fields["codes"]):
+                return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width,
+                                              numel)
+            codes = unpack_bits(fields["codes"], self.width, numel) - self.s
+            return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
+        names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
+        if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
+            raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
+                               "(truncated, extended or altered bytes)")
+        if self.coding == "ans":
+            codes = ans_decode_codes(fields, numel, self.s)
+        else:
+            from ..codecs.qsgd_stream import decode_stream
+
+            codes = decode_stream(fields["stream"], numel, self.s)
+        return uniform_decode(codes.to(fields["scales"].device), fields["scales"], self.s, numel, self.bucket)

@@ -36,11 +36,12 @@ from ..codecs.bitpack import pack_bits, pack_trits, packed_nbytes, trit_nbytes, 
 from ..errors import PayloadError
 from ..spec import ChoiceParam, FloatParam, IntParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
-from ._common import bucket_norms, bucket_view, num_buckets
+from .. import kernels
+from ._common import fast_cpu, bucket_norms, bucket_view, num_buckets
 from .maxnorm import check_shared_scale
 from .qsgd import uniform_codes, uniform_decode
 
-__all__ = ["TernGrad", "clip_by_std"]
+__all__ = ["TernGrad", "clip_by_std", "population_std"]
 
 
 def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
@@ -48,11 +49,22 @@ def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
     deviation of ``v``. ``c=None``, an empty or one-element vector, or ``σ = 0`` return ``v`` unchanged."""
     if c is None or v.numel() <= 1:
         return v
-    sigma = torch.std(v, correction=0)
+    sigma = population_std(v)
     bound = c * sigma
     # sigma == 0 (constant vector): no clipping, see the module docstring.
     bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf")))
     return torch.clamp(v, -bound, bound)
+
+
+def population_std(v: torch.Tensor) -> torch.Tensor:
+    """σ of a flat float32 vector, computed in float64 (two passes) and rounded once to float32.
+
+    [decided] Float64 makes σ the correctly rounded value on any data (a float32 pass can be an ulp off
+    when ``|mean|/σ`` is large) and lets the fused kernel (:func:`gradq.kernels.population_std`) agree
+    with this reference bit for bit, except when the exact σ lies within float64 rounding (~1e-13
+    relative) of a float32 rounding tie."""
+    v64 = v.to(torch.float64)
+    return torch.sqrt(((v64 - v64.mean()) ** 2).mean()).to(torch.float32)
 
 
 @register("terngrad")
@@ -107,19 +119,48 @@ class TernGrad(SummableQuantizer):
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {"scale": SharedStat(bucket_norms(self._clipped_matrix(v), "max"), "max")}
 
+    def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
+        if fast_cpu(v):  # σ, clip bound and clipped max-abs in one pass; the bound is kept for _encode
+            bound, scales = kernels.terngrad_stats(v, self.clip, self.bucket)
+            ctx.scratch["bound"] = bound
+            return {"scale": SharedStat(scales, "max")}
+        return self._shared_stats(v, ctx.shared_seed)
+
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         mat = self._clipped_matrix(v)
         scale = ctx.shared["scale"]
-        check_shared_scale(self.name, scale, bucket_norms(mat, "max"))
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
         # With s = 1 level, floor(|g|/scale + u) is exactly Bernoulli(|g|/scale).
         return uniform_codes(mat, scale, 1, ctx.rng).reshape(-1)[: v.numel()]
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if "bound" in ctx.scratch:  # the fused kernels (see _own_stats)
+            scale = ctx.shared["scale"].to(torch.float32)
+            check_shared_scale(self.name, scale, ctx.own["scale"].value)
+            bound = ctx.scratch["bound"]
+            if self.pack == "trit":
+                packed = kernels.uniform_encode_trits(v, scale, self.bucket, ctx.rng, clip=bound)
+            else:
+                packed = kernels.uniform_encode(v, scale, 1, self.bucket, 2, ctx.rng, clip=bound)
+            return {"codes": packed, "scales": scale}
         shifted = self._codes(v, ctx) + 1
         packed = pack_trits(shifted) if self.pack == "trit" else pack_bits(shifted, 2)
         return {"codes": packed, "scales": ctx.shared["scale"].to(torch.float32)}
 
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        if not fast_cpu(out):
+            return False
+        if self.pack == "trit":
+            kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel, out=out)
+        else:
+            kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2, out=out)
+        return True
+
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        if fast_cpu(fields["codes"]):
+            if self.pack == "trit":
+                return kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel)
+            return kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2)
         if self.pack == "trit":
             codes = unpack_trits(fields["codes"], numel) - 1
         else:

@@ -1,0 +1,335 @@
+"""Throughput of the fixed-width quantizers: numba kernels (gradq.kernels) against the plain-torch
+references, relative to a memory copy measured in the same run.
+
+For every scheme it times encode (quantize + pack, from a float32 vector to bytes) and decode (bytes to
+float32), counting ``4n`` bytes of fp32 input/output, and divides by the throughput of a plain memory
+copy of the same vector (``dst.copy_(x)`` into a preallocated tensor, torch's threads). Before timing,
+the kernel's bytes and floats are checked to be identical to the reference's (same seed).
+
+What each row measures (both paths compute the same thing):
+
+* ``qsgd-b``: per-bucket max-abs norm, stochastic codes, ``b``-bit fields (bucket 512);
+* ``maxnorm-b``: one max-abs scale for the whole tensor, then the codes (as the quantizer: the shared
+  stat first, then the codes under it);
+* ``terngrad-trit/-2bit``: clip at 2.5 standard deviations, max-abs scale of the clipped vector,
+  ternary codes packed 5 per byte / 2 bits (the kernel path computes σ and the max-abs in one pass with
+  ``kernels.terngrad_stats``; the reference computes σ in float64 with torch; they agree, see that function);
+* ``orq-5``: stochastic rounding onto 5 given levels per bucket of 512, 3-bit indices (levels are
+  computed once beforehand: their sort-based construction is not part of this kernel);
+* ``signsgd``/``onebit``: the sign bits (``x >= 0``) packed 8 per byte; decode to ``±scale`` /
+  two levels per bucket (the per-bucket float64 statistics are torch reductions in both paths and are
+  not timed).
+
+Kernel outputs go into preallocated tensors (``out=``); the torch references allocate as they do in the
+quantizers.
+
+A second table times the public API a user calls — ``q.encode(x, seed=…)`` (input validation, the
+finiteness screen, shared statistics and the kernels, i.e. the default path), ``q.decode(p, out=buf)``
+into a preallocated tensor and ``q.decode(p)`` returning a fresh tensor (a new 100 MB tensor is
+page-faulted in on first touch, which costs about as much as the decode itself here) — for the
+fixed-width schemes and for the Elias- and ANS-coded QSGD (``--no-api`` skips it). Medians of ``--repeats`` runs (``--ref-repeats`` for the slow references). Run:
+
+    python benchmarks/bench_codecs.py [--n 25000000] [--repeats 7] [--ref-repeats 3] [--compile] [--no-api]
+
+``--compile`` adds the tool comparison for 4-bit QSGD encode: the same math written as one torch
+function (eager) and that function under ``torch.compile`` (inductor, CPU), with compile time reported
+separately, next to the numba kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gradq import kernels as K
+from gradq.codecs.bitpack import pack_bits, pack_trits, unpack_bits, unpack_trits
+from gradq.quantizers._common import bucket_chunks, bucket_norms, bucket_view
+from gradq.quantizers.orq import bucket_index, orq_levels, round_to_levels
+from gradq.quantizers.qsgd import uniform_codes, uniform_decode
+from gradq.quantizers.terngrad import clip_by_std
+from gradq.random import GOLDEN32, RandomStream, _i32, mix32
+
+SEED = 1234
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(seconds of the first call, median seconds of ``repeats`` further calls)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(same(p, q) for p, q in zip(a, b))
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ---- the cases ------------------------------------------------------------------------------------
+def uniform_case(x: torch.Tensor, s: int, width: int, bucket, tern: str = ""):
+    """Encode/decode closures (reference and kernel) for QSGD/MaxNorm (``tern=""``) and TernGrad."""
+    n = x.numel()
+    trit = tern == "trit"
+    nbytes = (n + 4) // 5 if trit else (n * width + 7) // 8
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+
+    def ref_enc():
+        v = clip_by_std(x, 2.5) if tern else x
+        mat = bucket_view(v, bucket)
+        sc = bucket_norms(mat, "max")
+        codes = uniform_codes(mat, sc, s, RandomStream(SEED)).reshape(-1)[:n] + s
+        return (pack_trits(codes) if trit else pack_bits(codes, width)), sc
+
+    def k_enc():
+        if tern:
+            bound, sc = K.terngrad_stats(x, 2.5, bucket)   # σ and the clipped max-abs in one pass
+            if trit:
+                return K.uniform_encode_trits(x, sc, bucket, SEED, clip=bound, out=buf), sc
+            return K.uniform_encode(x, sc, s, bucket, width, SEED, clip=bound, out=buf), sc
+        if bucket is None:   # MaxNorm: the shared scale first, then the codes under it
+            sc = K.maxabs_scales(x, None)
+            return K.uniform_encode(x, sc, s, None, width, SEED, out=buf), sc
+        return K.maxabs_uniform_encode(x, s, bucket, width, SEED, out=buf)
+
+    def ref_dec(enc):
+        packed, sc = enc
+        codes = unpack_trits(packed, n) if trit else unpack_bits(packed, width, n)
+        return uniform_decode(codes - s, sc, s, n, bucket)
+
+    def k_dec(enc, dst):
+        packed, sc = enc
+        if trit:
+            return K.uniform_decode_trits(packed, sc, bucket, n, out=dst)
+        return K.uniform_decode(packed, sc, s, bucket, width, n, max_field=2 if tern else None, out=dst)
+
+    return ref_enc, k_enc, ref_dec, k_dec
+
+
+def levels_case(x: torch.Tensor, L: int = 5, bucket: int = 512):
+    n = x.numel()
+    width = (L - 1).bit_length()
+    chunks = list(bucket_chunks(x, bucket))
+    lvs = [orq_levels(m, L) for m in chunks]
+    levels = torch.cat(lvs)
+    buf = torch.empty((n * width + 7) // 8, dtype=torch.uint8)
+
+    def ref_enc():
+        rng = RandomStream(SEED)
+        codes = torch.cat([round_to_levels(m, lv, rng).reshape(-1) for m, lv in zip(chunks, lvs)])
+        return pack_bits(codes, width)
+
+    def k_enc():
+        return K.levels_encode(x, levels, bucket, width, SEED, out=buf)
+
+    def ref_dec(packed):
+        idx = bucket_index(n, bucket, x.device) * L + unpack_bits(packed, width, n)
+        return levels.reshape(-1)[idx]
+
+    def k_dec(packed, dst):
+        return K.levels_decode(packed, levels, bucket, width, n, out=dst)
+
+    return ref_enc, k_enc, ref_dec, k_dec
+
+
+def bits_case(x: torch.Tensor, two_level: bool, bucket: int = 512):
+    n = x.numel()
+    x64 = x.to(torch.float64)
+    mats = list(bucket_chunks(x64, bucket))
+    if two_level:   # 1BitSGD: means of the negative and the non-negative entries
+        vals = []
+        for m in mats:
+            up = m >= 0
+            lo = torch.where(~up, m, 0).sum(1) / (~up).sum(1).clamp(min=1)
+            hi = torch.where(up, m, 0).sum(1) / up.sum(1).clamp(min=1)
+            vals.append(torch.stack([lo, hi], 1))
+        levels = torch.cat(vals).to(torch.float32)
+    else:           # SignSGD: mean |x| per bucket
+        levels = torch.cat([m.abs().mean(1) for m in mats]).to(torch.float32)
+    buf = torch.empty((n + 7) // 8, dtype=torch.uint8)
+
+    def ref_enc():
+        return pack_bits(torch.cat([(m >= 0).reshape(-1) for m in bucket_chunks(x, bucket)]).to(torch.int64), 1)
+
+    def k_enc():
+        return K.sign_encode(x, out=buf)
+
+    def ref_dec(packed):
+        bits = unpack_bits(packed, 1, n)
+        bidx = bucket_index(n, bucket, x.device)
+        if two_level:
+            return levels.reshape(-1)[bidx * 2 + bits]
+        return levels[bidx] * (2 * bits - 1).to(torch.float32)
+
+    def k_dec(packed, dst):
+        return K.bit_decode(packed, levels, bucket, n, out=dst)
+
+    return ref_enc, k_enc, ref_dec, k_dec
+
+
+# ---- torch.compile comparison ---------------------------------------------------------------------
+def qsgd4_torch(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor):
+    """4-bit QSGD encode (bucket 512, max norm) as one torch function: the reference's math with the
+    stream keys as tensors (so one compiled graph serves every seed); ``n`` a multiple of 512."""
+    mat = x.view(-1, 512)
+    sc = mat.abs().amax(dim=1)
+    safe = torch.where(sc > 0, sc, torch.ones_like(sc)).unsqueeze(1)
+    idx = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
+    h = mix32(mix32(idx * _i32(GOLDEN32) + k1) ^ k2)
+    u = ((h >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / 16777216.0)
+    mag = torch.floor(mat.abs() * (7 / safe) + u.view(mat.shape)).clamp_(max=7)
+    c = ((torch.sign(mat) * mag).to(torch.int32) + 7).view(-1, 2)
+    return (c[:, 0] | (c[:, 1] << 4)).to(torch.uint8), sc
+
+
+def compare_compile(n: int, repeats: int, copy_gbs: float) -> None:
+    n = max(512, n // 512 * 512)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    rs = RandomStream(SEED)
+    keys = (torch.tensor(_i32(rs.k1), dtype=torch.int32), torch.tensor(_i32(rs.k2), dtype=torch.int32))
+    want = K.maxabs_uniform_encode(x, 7, 512, 4, SEED)
+    rows = []
+    first, t = median_time(lambda: qsgd4_torch(x, *keys), min(repeats, 3))
+    assert same(qsgd4_torch(x, *keys), want), "eager torch function differs from the kernel"
+    rows.append(("torch eager (one function)", first, t))
+    compiled = torch.compile(qsgd4_torch)
+    first, t = median_time(lambda: compiled(x, *keys), repeats)
+    assert same(compiled(x, *keys), want), "compiled torch function differs from the kernel"
+    rows.append(("torch.compile inductor (1st call = compile)", first, t))
+    buf = torch.empty(n // 2, dtype=torch.uint8)
+    first, t = median_time(lambda: K.maxabs_uniform_encode(x, 7, 512, 4, SEED, out=buf), repeats)
+    rows.append(("numba kernel (1st call = JIT or cache load)", first, t))
+    print(f"\n### Tool choice: 4-bit QSGD encode, n = {n:,}, bucket 512 (all bit-identical)\n")
+    print("| implementation | first call s | median ms | GB/s | × copy |")
+    print("|---|---:|---:|---:|---:|")
+    for name, f, t in rows:
+        print(f"| {name} | {f:.2f} | {t * 1e3:.1f} | {4 * n / t / 1e9:.2f} | {4 * n / t / 1e9 / copy_gbs:.2f} |")
+
+
+# ---- main -----------------------------------------------------------------------------------------
+API_SPECS = ["qsgd:bits=2,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512", "maxnorm:bits=2",
+             "maxnorm:bits=4", "maxnorm:bits=8", "terngrad", "terngrad:pack=2bit", "orq:levels=5", "signsgd",
+             "onebit:ef=0", "bingrad-b", "qsgd:bits=4,coding=elias", "qsgd:bits=4,coding=ans"]
+
+
+def paired_rounds(x: torch.Tensor, dst: torch.Tensor, cases: dict, rounds: int, repeats: int) -> None:
+    """Per round and kernel: the copy's median time, then the kernel's; the ratio copy/kernel of each
+    round, and their median. Pairing cancels the slow drifts of a shared machine."""
+    print(f"\n### Encode and decode ÷ copy, median of {rounds} paired rounds\n")
+    print("| scheme | encode × copy (median) | min–max | decode × copy (median) | min–max |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (_, k_enc, _, k_dec) in cases.items():
+        enc = k_enc()
+        enc = tuple(e.clone() for e in enc)
+        out = torch.empty_like(dst)
+        re, rd = [], []
+        for _ in range(rounds):
+            _, tc = median_time(lambda: dst.copy_(x), repeats)
+            _, te = median_time(k_enc, repeats)
+            _, td = median_time(lambda: k_dec(enc, out), repeats)
+            re.append(tc / te)
+            rd.append(tc / td)
+        print(f"| {name} | {statistics.median(re):.2f} | {min(re):.2f}–{max(re):.2f} | "
+              f"{statistics.median(rd):.2f} | {min(rd):.2f}–{max(rd):.2f} |", flush=True)
+
+
+def api_table(x: torch.Tensor, dst: torch.Tensor, repeats: int, copy_gbs: float) -> None:
+    """Throughput of ``q.encode`` / ``q.decode(out=)`` / ``q.decode`` for each spec (see the docstring)."""
+    import gradq
+
+    n = x.numel()
+    print(f"\n### Through the quantizer API (default path), n = {n:,}\n")
+    print("| spec | encode GB/s | × copy | decode(out=) GB/s | × copy | decode() GB/s | × copy | bits/coord |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for spec in API_SPECS:
+        try:
+            q = gradq.build(spec)
+        except ImportError as e:  # coding=ans without constriction
+            print(f"| {spec} | skipped: {e} |||||||")
+            continue
+        p = q.encode(x, seed=SEED)
+        _, te = median_time(lambda: q.encode(x, seed=SEED), repeats)
+        _, tdo = median_time(lambda: q.decode(p, out=dst), repeats)
+        _, tdf = median_time(lambda: q.decode(p), repeats)
+        g = [4 * n / t / 1e9 for t in (te, tdo, tdf)]
+        print(f"| {spec} | {g[0]:.2f} | {g[0] / copy_gbs:.2f} | {g[1]:.2f} | {g[1] / copy_gbs:.2f} | "
+              f"{g[2]:.2f} | {g[2] / copy_gbs:.2f} | {p.bits_per_coordinate:.3f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=25_000_000, help="number of fp32 values")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per kernel (median)")
+    ap.add_argument("--ref-repeats", type=int, default=3, help="timed runs per torch reference (median)")
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile comparison")
+    ap.add_argument("--no-api", action="store_true", help="skip the table of the public quantizer API")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time the target kernels (QSGD/MaxNorm 2/4/8, TernGrad) in this many rounds, each "
+                         "round timing the copy right before the kernel; prints the median of per-round ratios")
+    args = ap.parse_args()
+    if not K.available():
+        raise SystemExit("gradq.kernels is not available (numba missing or GRADQ_KERNELS=0)")
+    import numba
+
+    n = args.n
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    dst = torch.empty(n)
+    _, t_copy = median_time(lambda: dst.copy_(x), args.repeats)
+    xn, dn = x.numpy(), dst.numpy()
+    _, t_np = median_time(lambda: np.copyto(dn, xn), args.repeats)
+    _, t_clone = median_time(lambda: x.clone(), args.repeats)
+    copy_gbs = 4 * n / t_copy / 1e9
+    print(f"n = {n:,} fp32 ({4 * n / 1e6:.0f} MB); torch threads {torch.get_num_threads()}, "
+          f"numba threads {numba.get_num_threads()}")
+    print(f"memory copy: torch dst.copy_(x) preallocated {copy_gbs:.2f} GB/s (the baseline below); "
+          f"np.copyto {4 * n / t_np / 1e9:.2f} GB/s; x.clone() (allocating) {4 * n / t_clone / 1e9:.2f} GB/s\n")
+
+    cases = []
+    for b in (2, 4, 8):
+        cases.append((f"qsgd-{b}", uniform_case(x, (1 << (b - 1)) - 1, b, 512)))
+    for b in (2, 4, 8):
+        cases.append((f"maxnorm-{b}", uniform_case(x, (1 << (b - 1)) - 1, b, None)))
+    cases.append(("terngrad-trit", uniform_case(x, 1, 2, None, tern="trit")))
+    cases.append(("terngrad-2bit", uniform_case(x, 1, 2, None, tern="2bit")))
+    cases.append(("orq-5 (given levels)", levels_case(x)))
+    cases.append(("signsgd", bits_case(x, two_level=False)))
+    cases.append(("onebit", bits_case(x, two_level=True)))
+
+    print("| scheme | path | encode GB/s | × copy | decode GB/s | × copy | kernel 1st call s (enc+dec) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, (ref_enc, k_enc, ref_dec, k_dec) in cases:
+        f_e, t_ke = median_time(k_enc, args.repeats)
+        enc = k_enc()
+        enc = tuple(e.clone() for e in enc) if isinstance(enc, tuple) else enc.clone()
+        f_d, t_kd = median_time(lambda: k_dec(enc, dst), args.repeats)
+        _, t_re = median_time(ref_enc, args.ref_repeats)
+        ref = ref_enc()
+        assert same(ref, enc), f"{name}: kernel bytes differ from the torch reference"
+        _, t_rd = median_time(lambda: ref_dec(ref), args.ref_repeats)
+        assert same(ref_dec(ref), k_dec(enc, dst)), f"{name}: kernel decode differs from the reference"
+        for path, te, td, first in (("numba", t_ke, t_kd, f"{f_e + f_d:.2f}"), ("torch", t_re, t_rd, "")):
+            ge, gd = 4 * n / te / 1e9, 4 * n / td / 1e9
+            print(f"| {name} | {path} | {ge:.2f} | {ge / copy_gbs:.2f} | {gd:.2f} | {gd / copy_gbs:.2f} | {first} |",
+                  flush=True)
+    print(f"\n(numba threading layer: {numba.threading_layer()})")
+    if args.rounds:
+        paired_rounds(x, dst, {name: case for name, case in cases if name.startswith(("qsgd", "maxnorm", "terngrad"))},
+                      args.rounds, args.repeats)
+    if not args.no_api:
+        api_table(x, dst, args.repeats, copy_gbs)
+    if args.compile:
+        compare_compile(n, args.repeats, copy_gbs)
+
+
+if __name__ == "__main__":
+    main()

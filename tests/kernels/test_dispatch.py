@@ -1,0 +1,88 @@
+"""The quantizers' default CPU path uses the fused kernels and gives the same bytes as the plain-torch
+reference path (kernels disabled), for every fixed-width scheme."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradq
+from gradq import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+
+FIXED_WIDTH = [
+    "qsgd", "qsgd:bits=2,bucket=128", "qsgd:bits=8,bucket=none", "qsgd:levels=5,bucket=7,norm=l2",
+    "maxnorm", "maxnorm:bits=2,bucket=64", "maxnorm:bits=8,norm=l2",
+    "terngrad", "terngrad:pack=2bit,bucket=100", "terngrad:clip=none,bucket=33",
+    "multiscale", "randk-maxnorm:ratio=0.3",
+    "orq", "orq:levels=3,bucket=100", "orq:levels=17,bucket=none", "linear:levels=9",
+    "bingrad-b", "bingrad-b:iters=2,bucket=77", "signsgd", "onebit:ef=0", "bingrad-pb",
+]
+
+
+def _data(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    x[::97] = 0.0
+    x[5::101] = -0.0
+    return x
+
+
+@pytest.fixture
+def reference():
+    """Run a block with the kernels switched off, restoring the switch afterwards."""
+    class _Ref:
+        def __enter__(self):
+            kernels.set_enabled(False)
+
+        def __exit__(self, *exc):
+            kernels.set_enabled(True)
+    return _Ref()
+
+
+@pytest.mark.parametrize("spec", FIXED_WIDTH)
+@pytest.mark.parametrize("n", [1, 9, 1000, 70_001])
+def test_fast_path_gives_reference_bytes(spec, n, reference):
+    x = _data(n, n)
+    fast = gradq.build(spec).encode(x, seed=n)
+    with reference:
+        ref = gradq.build(spec).encode(x, seed=n)
+        ref_dec = gradq.build(spec).decode(ref)
+    assert fast.same_bytes(ref)
+    assert torch.equal(gradq.build(spec).decode(fast), ref_dec)
+
+
+def test_fast_path_with_shared_scale_and_terngrad_large_mean(reference):
+    """Shared (MAX) scales from other workers, and a TernGrad layer whose |mean|/σ is huge."""
+    x = _data(5000, 3)
+    q = gradq.build("maxnorm:bits=4,bucket=500")
+    w = q.shared_stats(x)["scale"].value * 3
+    fast = q.encode(x, seed=1, shared={"scale": w})
+    t = 1e4 + torch.randn(4000, generator=torch.Generator().manual_seed(4))
+    tg = gradq.build("terngrad").encode(t, seed=2)
+    with reference:
+        assert fast.same_bytes(q.encode(x, seed=1, shared={"scale": w}))
+        assert tg.same_bytes(gradq.build("terngrad").encode(t, seed=2))
+
+
+def test_denormal_scales_do_not_crash(reference):
+    """A bucket whose max-abs is a denormal makes s/scale overflow; zeros must stay zeros."""
+    x = torch.tensor([0.0, 1e-45, -1e-45, 0.0, 3e-45, 0.0, 0.0, 0.0])
+    q = gradq.build("qsgd:bits=4,bucket=4")
+    fast = q.encode(x, seed=0)
+    with reference:
+        ref = q.encode(x, seed=0)
+    assert fast.same_bytes(ref)
+    y = q.decode(fast)
+    assert torch.all(y[x == 0] == 0)
+
+
+def test_kernels_can_be_switched_off():
+    kernels.set_enabled(False)
+    try:
+        assert not kernels.available()
+        assert not gradq.quantizers._common.fast_cpu(torch.zeros(3))
+    finally:
+        kernels.set_enabled(True)
+    assert kernels.available()
