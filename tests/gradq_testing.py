@@ -52,3 +52,12 @@ def mc_mean(fn: Callable[[int], float], trials: int) -> tuple[float, float]:
     """Monte Carlo mean of ``fn(seed)`` over ``trials`` seeds and its standard error."""
     vals = torch.tensor([fn(s) for s in range(trials)], dtype=torch.float64)
     return float(vals.mean()), float(vals.std(unbiased=True) / math.sqrt(trials))
+
+
+def ref_omega(k: int) -> str:
+    """Pure-Python Elias omega code of ``k`` as a bit string (the codecs' test oracle); ALGORITHMS.md §1.1: start from '0'; while k > 1 prepend bin(k) and set k = bitlength(k) - 1."""
+    out = "0"
+    while k > 1:
+        out = format(k, "b") + out
+        k = k.bit_length() - 1
+    return out

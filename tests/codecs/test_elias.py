@@ -10,18 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradq import PayloadError
+from gradq_testing import ref_omega
 from gradq.codecs.elias import (MAX_VALUE, gamma_decode, gamma_encode, gamma_nbits, omega_decode, omega_encode,
                                 omega_nbits)
 
 
 # ---- pure-Python oracle (bit strings) -------------------------------------------------------------
-def ref_omega(k: int) -> str:
-    """ALGORITHMS.md §1.1: start from '0'; while k > 1 prepend bin(k) and set k = bitlength(k) - 1."""
-    out = "0"
-    while k > 1:
-        out = format(k, "b") + out
-        k = k.bit_length() - 1
-    return out
 
 
 def ref_gamma(k: int) -> str:

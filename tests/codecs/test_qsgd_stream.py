@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradq
+from gradq_testing import ref_omega
 from gradq import PayloadError, SpecError
 from gradq.codecs.bitpack import unpack_bits
 from gradq.codecs.elias import omega_encode
@@ -18,12 +19,6 @@ from gradq.codecs.qsgd_stream import decode_stream, encode_stream, layout_nbits,
 
 
 # ---- pure-Python oracle ---------------------------------------------------------------------------
-def ref_omega(k: int) -> str:
-    out = "0"
-    while k > 1:
-        out = format(k, "b") + out
-        k = k.bit_length() - 1
-    return out
 
 
 def ref_sparse(codes: list[int]) -> str:
