@@ -1,0 +1,257 @@
+"""gradq.comm protocols on 2 and 4 gloo processes (one spawn per world size runs every check).
+
+Each child runs every (protocol, spec, n) case and saves its outputs; the parent asserts that every
+rank got identical bytes and recomputes the expected result in one process from the same derived seeds
+(the children's gradients are a pure function of (rank, n)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gradq
+from gradq.comm import (allgather_mean, code_dtype, derive_seed, parameter_server_mean, reduce_dtype,
+                        scatter_allgather, shared_scale_allreduce)
+
+SEED = 1234
+ANY = ["none", "qsgd:bits=4,bucket=64", "qsgd:bits=4,bucket=64,coding=elias", "topk:ratio=0.1",
+       "terngrad", "randk:ratio=0.25"]
+SUMMABLE = ["none", "bf16", "maxnorm:bits=4", "maxnorm:bits=8", "multiscale", "terngrad",
+            "randk-maxnorm:ratio=0.25"]
+SIZES = (1001, 3)  # 1001: not divisible by 2 or 4; 3: fewer coordinates than 4 workers
+
+
+def grad(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(97 * rank + n)
+    return torch.randn(n, generator=g) * (1.0 + rank)
+
+
+def cases():
+    out = []
+    for n in SIZES:
+        for spec in ANY:
+            out += [("allgather", spec, n, {}), ("scatter", spec, n, {}), ("ps", spec, n, {}),
+                    ("ps", spec, n, {"requantize": True})]
+        for spec in SUMMABLE:
+            out.append(("allreduce", spec, n, {}))
+    return out
+
+
+def _key(proto, spec, n, kw):
+    return f"{proto}|{spec}|{n}|{sorted(kw.items())}"
+
+
+def _child(rank: int, world: int, tmp: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
+    fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
+           "allreduce": shared_scale_allreduce}
+    res: dict = {}
+    for proto, spec, n, kw in cases():
+        info: dict = {}
+        res[_key(proto, spec, n, kw)] = fns[proto](grad(rank, n), gradq.build(spec), seed=SEED, info=info, **kw)
+        res["info|" + _key(proto, spec, n, kw)] = info
+    q, ef2 = gradq.ErrorFeedback("maxnorm:bits=2"), gradq.ErrorFeedback("maxnorm:bits=2")
+    for step in range(2):  # memories carry over between calls
+        res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
+                                             name="w", second_ef=ef2)
+    try:
+        shared_scale_allreduce(grad(rank, 16), gradq.build("qsgd"), seed=SEED)
+        res["refused"] = None
+    except TypeError as e:
+        res["refused"] = str(e)
+    try:  # ranks disagree on the size: every rank must get a clear error, nobody hangs
+        allgather_mean(grad(rank, 8 + rank), gradq.build("none"), seed=SEED)
+        res["mismatch"] = None
+    except ValueError as e:
+        res["mismatch"] = str(e)
+    torch.save(res, f"{tmp}/out{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _mean(parts):
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc / len(parts)
+
+
+def _shared(q, key):
+    return derive_seed(SEED, None, key) if q.needs_shared_seed else None
+
+
+def expect_allgather(spec, n, world):
+    q = gradq.build(spec)
+    return _mean([q.roundtrip(grad(r, n), seed=derive_seed(SEED, r, "encode"),
+                              shared_seed=_shared(q, "shared")) for r in range(world)])
+
+
+def expect_ps(spec, n, world, requantize):
+    avg = expect_allgather(spec, n, world)
+    if not requantize:
+        return avg
+    return gradq.build(spec).roundtrip(avg, seed=derive_seed(SEED, 0, "server"))
+
+
+def expect_scatter(spec, n, world):
+    q = gradq.build(spec)
+    c = -(-n // world)
+    xs = [torch.cat([grad(r, n), torch.zeros(c * world - n)]).view(world, c) for r in range(world)]
+    chunks = []
+    for j in range(world):
+        avg = _mean([q.roundtrip(xs[r][j], seed=derive_seed(SEED, r, f"chunk{j}"),
+                                 shared_seed=_shared(q, f"chunk{j}")) for r in range(world)])
+        chunks.append(q.roundtrip(avg, seed=derive_seed(SEED, j, "reencode")))
+    return torch.cat(chunks)[:n]
+
+
+def expect_allreduce(spec, n, world):
+    """(simulated protocol output, mean of the per-rank decodes under the reduced stats)."""
+    q = gradq.build(spec)
+    ss = _shared(q, "shared")
+    xs = [grad(r, n) for r in range(world)]
+    stats = [q.shared_stats(x, shared_seed=ss) for x in xs]
+    reduced = {}
+    for k, (v, op) in stats[0].items():
+        stack = torch.stack([s[k].value for s in stats])
+        reduced[k] = stack.amax(0) if op == "max" else stack.amin(0) if op == "min" else stack.sum(0)
+    codes = [q.encode_codes(x, shared=reduced, seed=derive_seed(SEED, r, "encode"), shared_seed=ss)
+             for r, x in enumerate(xs)]
+    if q.max_code is None:
+        total = codes[0].clone()
+        for c in codes[1:]:
+            total += c
+    else:
+        total = torch.stack([c.to(torch.int64) for c in codes]).sum(0)
+    sim = q.decode_codes(total, shared=reduced, count=world, like=xs[0], shared_seed=ss)
+    each = _mean([q.decode_codes(c, shared=reduced, count=1, like=xs[0], shared_seed=ss) for c in codes])
+    return sim, each
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def run(request, tmp_path_factory):
+    world = request.param
+    tmp = str(tmp_path_factory.mktemp(f"w{world}"))
+    mp.spawn(_child, args=(world, tmp), nprocs=world, join=True)
+    return world, [torch.load(f"{tmp}/out{r}.pt") for r in range(world)]
+
+
+def test_all_ranks_identical(run):
+    world, outs = run
+    for key, val in outs[0].items():
+        if key.startswith("info|") or key == "mismatch":
+            continue  # per-rank figures (payload sizes of entropy-coded schemes; each rank's own size)
+        for r in range(1, world):
+            if isinstance(val, torch.Tensor):
+                assert torch.equal(val, outs[r][key]), (key, r)
+            else:
+                assert val == outs[r][key], (key, r)
+
+
+def test_allgather_and_ps_exact(run):
+    world, outs = run
+    for proto, spec, n, kw in cases():
+        got = outs[0][_key(proto, spec, n, kw)]
+        if proto == "allgather":
+            assert torch.equal(got, expect_allgather(spec, n, world)), spec
+        elif proto == "ps":
+            assert torch.equal(got, expect_ps(spec, n, world, kw.get("requantize", False))), (spec, kw)
+
+
+def test_scatter_matches_simulation(run):
+    world, outs = run
+    for proto, spec, n, kw in cases():
+        if proto == "scatter":
+            exp = expect_scatter(spec, n, world)
+            # same operations in the same order: only float rounding may differ
+            torch.testing.assert_close(outs[0][_key(proto, spec, n, kw)], exp, rtol=1e-6, atol=1e-6)
+
+
+def test_allreduce_is_mean_of_decodes(run):
+    world, outs = run
+    for proto, spec, n, kw in cases():
+        if proto != "allreduce":
+            continue
+        got = outs[0][_key(proto, spec, n, kw)]
+        sim, each = expect_allreduce(spec, n, world)
+        # decode of the summed codes vs the mean of per-rank decodes: equal up to float32 rounding
+        # (|x| <= ~4·(1+rank) ≈ 16, so a few ulps are < 1e-5); bf16 sums round to 8 mantissa bits
+        tol = 2e-2 if spec == "bf16" else 1e-5
+        torch.testing.assert_close(got, sim, rtol=tol, atol=tol)
+        torch.testing.assert_close(got, each, rtol=tol, atol=tol)
+        info = outs[0]["info|" + _key(proto, spec, n, kw)]
+        q = gradq.build(spec)
+        if q.max_code is not None:
+            rule = code_dtype(world, q.max_code)
+            assert info["code_dtype"] == rule and info["wire_dtype"] == reduce_dtype(rule, "gloo")
+
+
+def test_none_is_exact_mean(run):
+    world, outs = run
+    for n in SIZES:
+        exact = torch.stack([grad(r, n) for r in range(world)]).mean(0)
+        for proto, spec, nn, kw in cases():
+            if spec == "none" and nn == n:
+                # float32 sums of world terms in different orders: rounding only
+                torch.testing.assert_close(outs[0][_key(proto, spec, n, kw)], exact, rtol=1e-6, atol=1e-6)
+
+
+def test_scatter_with_two_error_feedback_memories(run):
+    world, outs = run
+    n, spec = 1001, "maxnorm:bits=2"
+    c = -(-n // world)
+    first = [gradq.ErrorFeedback(spec) for _ in range(world)]  # each rank's own memories
+    second = [gradq.ErrorFeedback(spec) for _ in range(world)]
+    for step in range(2):
+        seed = SEED + step
+        xs = [torch.cat([grad(r, n) * (step + 1), torch.zeros(c * world - n)]).view(world, c)
+              for r in range(world)]
+        chunks = []
+        for j in range(world):
+            parts = [first[r].decode(first[r].encode(xs[r][j], seed=derive_seed(seed, r, f"chunk{j}"),
+                                                     name=f"w#chunk{j}")) for r in range(world)]
+            p2 = second[j].encode(_mean(parts), seed=derive_seed(seed, j, "reencode"), name=f"w#avg{j}")
+            chunks.append(second[j].decode(p2))
+        torch.testing.assert_close(outs[0][f"ef{step}"], torch.cat(chunks)[:n], rtol=1e-6, atol=1e-6)
+
+
+def test_refusals(run):
+    world, outs = run
+    msg = outs[0]["refused"]
+    assert msg is not None and "shared_scale_allreduce" in msg and "allgather_mean" in msg
+    assert outs[0]["mismatch"] is not None and "numel" in outs[0]["mismatch"]
+
+
+def test_int8_allreduce_used_when_it_fits(run):
+    world, outs = run
+    info = outs[0]["info|" + _key("allreduce", "maxnorm:bits=4", 1001, {})]  # s = 7: M·s <= 28
+    assert info["wire_dtype"] == torch.int8 and info["bytes_sent"] == 2 * (world - 1) * 1001 // world
+
+
+def test_code_dtype_never_overflows():
+    assert code_dtype(1000, 127) == torch.int32
+    assert code_dtype(8, 7) == torch.int8
+    assert code_dtype(127, 1) == torch.int8 and code_dtype(128, 1) == torch.int16
+    assert code_dtype(258, 127) == torch.int16 and code_dtype(259, 127) == torch.int32
+    assert code_dtype(2**40, 127) == torch.int64
+    for m in (1, 2, 3, 7, 64, 129, 1000, 5000, 10**6, 10**9):
+        for s in (0, 1, 7, 127, 255, 2**15):
+            dt = code_dtype(m, s)
+            assert torch.iinfo(dt).max >= m * s and torch.iinfo(dt).min <= -m * s
+            narrower = {torch.int16: torch.int8, torch.int32: torch.int16, torch.int64: torch.int32}.get(dt)
+            assert narrower is None or torch.iinfo(narrower).max < m * s  # the narrowest
+    assert reduce_dtype(torch.int16, "gloo") == torch.int32 and reduce_dtype(torch.int8, "gloo") == torch.int8
+    with pytest.raises(ValueError):
+        code_dtype(0, 7)
+
+
+def test_derive_seed():
+    seeds = {derive_seed(5, r, t) for r in (None, 0, 1, 2) for t in ("encode", "chunk0", 0, 1)}
+    assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(5, 1, "encode") == derive_seed(5, 1, "encode") != derive_seed(6, 1, "encode")
