@@ -15,10 +15,12 @@ from .payload import Payload
 from .quantizers import Quantizer, SharedStat, SummableQuantizer
 from .spec import available, build, registry
 from .transforms import ErrorFeedback
+from .ddp import GradqState, register
 
 __version__ = "0.1.0"
 
 __all__ = [
     "build", "available", "registry", "Quantizer", "SummableQuantizer", "SharedStat", "Payload",
-    "ErrorFeedback", "GradqError", "SpecError", "PayloadError", "NonFiniteError", "__version__",
+    "ErrorFeedback", "GradqState", "register", "GradqError", "SpecError", "PayloadError", "NonFiniteError",
+    "__version__",
 ]

@@ -1,0 +1,365 @@
+"""A DistributedDataParallel communication hook that quantizes gradients with any gradq scheme.
+
+DDP hands the hook one *bucket* at a time: a flat buffer holding the concatenated gradients
+``g^m = (g^m_1, …, g^m_L)`` of the bucket's parameters on worker ``m``. The hook returns, on every rank,
+
+    ĝ_l = mean_m g^m_l                          for parameters kept in float32 (the policy below),
+    ĝ_l = protocol(g^m_l, Q, name=l, seed=s_l)  for every other parameter,
+
+where ``protocol`` is one of gradq.comm's (ALGORITHMS.md §6): the shared-scale integer all-reduce for
+summable quantizers, scatter/all-gather for fixed-width ones, all-gather otherwise (or a parameter
+server), each returning the same average of decoded gradients on every rank. The buffer is split at
+the parameter boundaries, so layer-wise schemes (TernGrad's per-layer scaler, paper 001) see layers,
+and error-feedback residuals are keyed by PARAMETER NAME — DDP rebuilds its buckets after the first
+iteration, so bucket indices are not stable keys.
+
+Policy (kept in float32, averaged with ONE all-reduce of their concatenation per bucket):
+tensors with fewer than ``min_numel`` elements (QSGD's experiments left tensors below 10 000 elements
+unquantized, paper 000 §4), 1-D tensors (biases, norm scales) when ``keep_1d_fp32``, parameters named
+in ``uncompressed`` (TernGrad §4.2 keeps the last classifier in full precision), and every parameter
+during the first ``warmup_steps`` steps.
+
+Randomness **[decided]**: parameter ``l`` at step ``t`` uses ``s_l = derive_seed(derive_seed(seed, None, t), None, l)``,
+a pure function of (run seed, step, name); the protocols derive the per-rank encode seeds from it. So a
+run resumed from :meth:`GradqState.state_dict` reproduces the uninterrupted run bit for bit.
+
+Non-finite gradients **[decided]**: each bucket's ranks agree on a flag (one MAX all-reduce) so that no
+rank waits alone in a collective. ``nan_policy="raise"`` raises :class:`NonFiniteError` on EVERY rank (the
+rank that saw it names the parameters). ``"skip"`` zeroes that bucket, the step's later buckets and the
+earlier ones (their buffers are still DDP's until the backward pass finishes), on every rank; residuals
+that earlier buckets of that step already updated are kept; the optimizer then sees zero gradients
+(check ``state.last_stats["skipped"]`` to skip ``optimizer.step()``, e.g. for momentum).
+
+Steps **[decided]**: the counter advances after the bucket DDP marks last; ``no_sync`` iterations never
+reach the hook and are not counted.
+
+Wire size per worker and step: ``Σ_l bytes(protocol, n_l)`` for quantized parameters plus
+``2(M−1)/M · 4 · n_fp32`` for the float32 group, plus 8 bytes per bucket for the non-finite flag
+(and, once, the settings check). ``state.last_stats`` reports the figures.
+
+The hook is **synchronous**: all communication happens inside the call and the returned future is
+already completed. This costs the overlap of communication with the rest of the backward pass.
+"""
+
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with the real
+# ``dist.GradBucket`` / ``torch.futures.Future[torch.Tensor]`` objects, not strings.
+
+import logging
+import time
+import zlib
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import (allgather_mean, derive_seed, parameter_server_mean, scatter_allgather,
+                   shared_scale_allreduce)
+from .comm.allreduce import allreduce_bytes_per_worker
+from .errors import NonFiniteError
+from .quantizers.base import Quantizer
+from .spec import build
+from .transforms import ErrorFeedback
+
+__all__ = ["GradqState", "gradq_hook", "register"]
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "allreduce", "scatter", "allgather", "ps")
+NAN_POLICIES = ("raise", "skip")
+
+
+class GradqState:
+    """State of :func:`gradq_hook`: the quantizer, the policy, the step counter and statistics.
+
+    Args:
+        spec: a spec string (``"qsgd:bits=4"``, ``"topk:ratio=0.1,ef=1"``…) or a built Quantizer.
+        strategy: ``"auto"`` (default), ``"allreduce"``, ``"scatter"``, ``"allgather"`` or ``"ps"``.
+            ``"auto"`` picks the integer all-reduce for summable schemes, scatter/all-gather for
+            fixed-width ones, all-gather otherwise, and a local encode/decode when the group has one rank.
+        process_group: the group to average over (``None``: the default group).
+        seed: run seed common to all ranks (default 0).
+        min_numel: parameters with fewer elements stay float32 (default 10 000).
+        keep_1d_fp32: 1-D parameters (biases, norm parameters) stay float32 (default True).
+        uncompressed: names of parameters that stay float32 (e.g. the last classifier layer).
+        warmup_steps: the first steps are averaged in float32 (default 0).
+        nan_policy: ``"raise"`` (default; :class:`NonFiniteError` naming the parameter, on every rank)
+            or ``"skip"`` (the step's gradient is zeroed on every rank and ``skipped_steps`` counts it).
+        module: the model (or DDP wrapper) whose ``named_parameters`` name the bucket's parameters;
+            may be given later with :meth:`bind`.
+
+    Attributes: ``step`` (completed hook steps), ``skipped_steps``, ``last_stats`` (dict of the last step:
+    ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds``,
+    ``skipped``), ``totals`` (cumulative ``bytes_sent``, ``coords``, ``seconds``, ``steps``), ``strategy_used``.
+    """
+
+    def __init__(self, spec: str | Quantizer, strategy: str = "auto", *, process_group: Any = None,
+                 seed: int = 0, min_numel: int = 10_000, keep_1d_fp32: bool = True,
+                 uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
+                 module: Optional[torch.nn.Module] = None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if int(min_numel) < 0 or int(warmup_steps) < 0:
+            raise ValueError("min_numel and warmup_steps must be non-negative")
+        if isinstance(uncompressed, str):
+            raise TypeError("uncompressed must be an iterable of parameter names, not one string")
+        self.quantizer: Quantizer = build(spec)
+        if strategy == "allreduce" and not self.quantizer.summable:
+            raise ValueError(f"strategy='allreduce' needs a summable quantizer; {self.quantizer.spec!r} is not "
+                             "(use 'scatter', 'allgather' or 'auto')")
+        self.strategy = strategy
+        self.process_group = process_group
+        self.seed = seed
+        self.min_numel = int(min_numel)
+        self.keep_1d_fp32 = bool(keep_1d_fp32)
+        self.uncompressed = frozenset(str(n) for n in uncompressed)
+        self.warmup_steps = int(warmup_steps)
+        self.nan_policy = nan_policy
+        self.step = 0
+        self.skipped_steps = 0
+        self.strategy_used: Optional[str] = None
+        self.last_stats: dict[str, Any] = {}
+        self.totals: dict[str, float] = {"bytes_sent": 0, "coords": 0, "seconds": 0.0, "steps": 0}
+        self._names: dict[int, str] = {}
+        self._reset_runtime()
+        if module is not None:
+            self.bind(module)
+
+    def _reset_runtime(self) -> None:
+        self._checked = False
+        self._pending: dict[str, Any] = self._fresh_pending()
+        self._step_buffers: list[torch.Tensor] = []
+
+    @staticmethod
+    def _fresh_pending() -> dict[str, Any]:
+        return {"bytes_sent": 0, "coords": 0, "quantized_coords": 0, "seconds": 0.0, "skip": False}
+
+    # -- names -------------------------------------------------------------------------------------
+    def bind(self, module: torch.nn.Module) -> "GradqState":
+        """Name the parameters of ``module`` (a model or its DDP wrapper) for the hook."""
+        inner = getattr(module, "module", module)
+        self._names = {id(p): n for n, p in inner.named_parameters()}
+        return self
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        name = self._names.get(id(p))
+        if name is None:
+            raise RuntimeError("gradq_hook: a bucket parameter has no name; build the state with "
+                               "module=model, call state.bind(model) (needed again after unpickling), "
+                               "or use gradq.register(ddp_model, spec)")
+        return name
+
+    # -- settings ----------------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        return self.quantizer.spec
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that must be equal on all ranks (and between a checkpoint and its resume)."""
+        return {"spec": self.spec, "strategy": self.strategy, "seed": self.seed, "min_numel": self.min_numel,
+                "keep_1d_fp32": self.keep_1d_fp32, "uncompressed": sorted(self.uncompressed),
+                "warmup_steps": self.warmup_steps, "nan_policy": self.nan_policy}
+
+    def _check_consistency(self, device: torch.device) -> None:
+        """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches."""
+        items = {**self.settings(), "step": self.step}
+        keys = list(items)
+        vals = [zlib.crc32(repr(items[k]).encode("utf-8")) for k in keys]
+        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        hi, lo = t[: len(keys)].tolist(), [-v for v in t[len(keys):].tolist()]
+        bad = [k for i, k in enumerate(keys) if hi[i] != lo[i]]
+        if bad:
+            mine = ", ".join(f"{k}={items[k]!r}" for k in bad)
+            raise ValueError(f"gradq_hook: ranks disagree on {', '.join(bad)} (this rank: {mine}); every rank "
+                             "must register the same spec and settings (and resume from the same step)")
+        self._checked = True
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step, seed, spec/settings, skipped steps and the error-feedback residuals (by parameter name)."""
+        q = self.quantizer
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "settings": self.settings(),
+                "residuals": q.state_dict()["residuals"] if isinstance(q, ErrorFeedback) else {}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the spec and settings must match this state's."""
+        saved = dict(state["settings"])
+        mine = self.settings()
+        diff = [k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)]
+        if diff:
+            diff = sorted(diff)
+            raise ValueError(f"GradqState.load_state_dict: checkpoint settings differ on {diff}: "
+                             f"saved {[saved.get(k) for k in diff]}, now {[mine.get(k) for k in diff]}")
+        if isinstance(self.quantizer, ErrorFeedback):
+            self.quantizer.load_state_dict({"spec": self.spec, "residuals": state["residuals"]})
+        elif state["residuals"]:
+            raise ValueError("checkpoint holds error-feedback residuals but this spec has no error feedback")
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self._reset_runtime()
+
+    # -- pickling ----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Drop what cannot travel: the process group (restored as ``None``, the default group),
+        the object-id name map (call :meth:`bind` again) and per-step scratch."""
+        logger.warning("GradqState: the process group and parameter names are not pickled; "
+                       "set state.process_group and call state.bind(model) after unpickling")
+        d = dict(self.__dict__)
+        for k in ("process_group", "_names", "_pending", "_step_buffers", "_checked"):
+            d.pop(k, None)
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.process_group = None
+        self._names = {}
+        self._reset_runtime()
+
+    # -- strategy ----------------------------------------------------------------------------------
+    def _resolve_strategy(self, world: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        q = self.quantizer
+        if world == 1:
+            return "local"
+        if q.summable:
+            return "allreduce"
+        if q.field_layout(1024) is not None:
+            return "scatter"
+        return "allgather"
+
+    def _keeps_fp32(self, name: str, p: torch.Tensor) -> bool:
+        return (self.step < self.warmup_steps or p.numel() < self.min_numel or name in self.uncompressed
+                or (self.keep_1d_fp32 and p.dim() <= 1))
+
+
+def _communicate(state: GradqState, strategy: str, x: torch.Tensor, name: str, seed: int,
+                 rank: int) -> tuple[torch.Tensor, int]:
+    """Average ``x`` over the group through ``strategy``; returns (average, bytes this worker sent)."""
+    q, g = state.quantizer, state.process_group
+    info: dict[str, Any] = {}
+    if strategy == "local":
+        ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
+        out = q.decode(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=ss, name=name))
+        return out, 0
+    if strategy == "allreduce":
+        out = shared_scale_allreduce(x, q, group=g, seed=seed, name=name, info=info)
+    elif strategy == "scatter":
+        out = scatter_allgather(x, q, group=g, seed=seed, name=name, info=info)
+    elif strategy == "allgather":
+        out = allgather_mean(x, q, group=g, seed=seed, name=name, info=info)
+    else:
+        out = parameter_server_mean(x, q, group=g, seed=seed, name=name, info=info)
+        info["bytes_sent"] = info["push_nbytes"]
+    return out, int(info["bytes_sent"])
+
+
+def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients, quantizing the parameters outside the
+    float32 policy (module docstring). Synchronous: the returned future is already completed.
+
+    Example::
+
+        state = GradqState("qsgd:bits=4", module=ddp_model)
+        ddp_model.register_comm_hook(state, gradq_hook)
+    """
+    t0 = time.perf_counter()
+    group = state.process_group
+    buf = bucket.buffer()
+    if bucket.index() == 0:
+        state._pending = state._fresh_pending()
+        state._step_buffers = []
+    if not state._checked:
+        state._check_consistency(buf.device)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    strategy = state._resolve_strategy(world)
+    if state.strategy_used is None:
+        state.strategy_used = strategy
+        logger.info("gradq_hook: spec=%s strategy=%s (asked %s) world=%d settings=%s", state.spec, strategy,
+                    state.strategy, world, state.settings())
+
+    params = bucket.parameters()
+    names = [state._name_of(p) for p in params]
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != buf.numel():
+        raise RuntimeError(f"gradq_hook: bucket {bucket.index()} holds {buf.numel()} values but its "
+                           f"parameters have {sum(sizes)}")
+    views = torch.split(buf, sizes)
+    pend = state._pending
+
+    # non-finite check, agreed by all ranks so that nobody waits in a collective alone
+    local_bad = not bool(torch.isfinite(buf.sum(dtype=torch.float32))) if buf.numel() else False
+    flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=buf.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag) or pend["skip"]:
+        if state.nan_policy == "raise":
+            bad = [n for n, v in zip(names, views) if not bool(torch.isfinite(v).all())]
+            where = f"parameter(s) {bad} on rank {rank}" if bad else "another rank's gradient"
+            raise NonFiniteError(f"gradq_hook: non-finite gradient in {where} at step {state.step}; "
+                                 "fix the model or register with nan_policy='skip'")
+        if not pend["skip"]:
+            for b in state._step_buffers:
+                b.zero_()
+        pend["skip"] = True
+        buf.zero_()
+    else:
+        step_seed = derive_seed(state.seed, None, state.step)
+        fp32 = [i for i, (n, p) in enumerate(zip(names, params)) if state._keeps_fp32(n, p)]
+        if fp32:
+            flat = torch.cat([views[i].reshape(-1) for i in fp32])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            for i, part in zip(fp32, torch.split(flat, [sizes[i] for i in fp32])):
+                views[i].copy_(part)
+            pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel(), world, flat.dtype)
+        kept = set(fp32)
+        for i, (n, v) in enumerate(zip(names, views)):
+            if i in kept:
+                continue
+            out, nbytes = _communicate(state, strategy, v, n, derive_seed(step_seed, None, n), rank)
+            v.copy_(out.reshape(v.shape))
+            pend["bytes_sent"] += nbytes
+            pend["quantized_coords"] += v.numel()
+    state._step_buffers.append(buf)
+    pend["coords"] += buf.numel()
+    pend["seconds"] += time.perf_counter() - t0
+    if bucket.is_last():
+        _finish_step(state)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _finish_step(state: GradqState) -> None:
+    p = state._pending
+    coords = p["coords"]
+    state.last_stats = {"step": state.step, "bytes_sent": p["bytes_sent"], "coords": coords,
+                        "quantized_coords": p["quantized_coords"],
+                        "bits_per_coord": 8.0 * p["bytes_sent"] / coords if coords else 0.0,
+                        "seconds": p["seconds"], "skipped": p["skip"], "strategy": state.strategy_used}
+    state.totals["bytes_sent"] += p["bytes_sent"]
+    state.totals["coords"] += coords
+    state.totals["seconds"] += p["seconds"]
+    state.totals["steps"] += 1
+    if p["skip"]:
+        state.skipped_steps += 1
+    state.step += 1
+    state._pending = state._fresh_pending()
+    state._step_buffers = []
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str | Quantizer,
+             strategy: str = "auto", **kw: Any) -> GradqState:
+    """Quantize ``ddp_model``'s gradient averaging with ``spec``; returns the hook's :class:`GradqState`.
+
+    ``kw`` are :class:`GradqState`'s keyword arguments (``process_group`` defaults to the DDP model's)."""
+    if not hasattr(ddp_model, "register_comm_hook"):
+        raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    kw.setdefault("process_group", getattr(ddp_model, "process_group", None))
+    state = GradqState(spec, strategy, module=ddp_model, **kw)
+    ddp_model.register_comm_hook(state, gradq_hook)
+    return state
