@@ -16,11 +16,12 @@ from .quantizers import Quantizer, SharedStat, SummableQuantizer
 from .spec import available, build, registry
 from .transforms import ErrorFeedback
 from .ddp import GradqState, register
+from .comm import allreduce_
 
 __version__ = "0.1.0"
 
 __all__ = [
     "build", "available", "registry", "Quantizer", "SummableQuantizer", "SharedStat", "Payload",
-    "ErrorFeedback", "GradqState", "register", "GradqError", "SpecError", "PayloadError", "NonFiniteError",
+    "ErrorFeedback", "GradqState", "register", "allreduce_", "GradqError", "SpecError", "PayloadError", "NonFiniteError",
     "__version__",
 ]

@@ -52,8 +52,8 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .comm import (allgather_mean, derive_seed, parameter_server_mean, scatter_allgather,
-                   shared_scale_allreduce)
+from .comm import derive_seed
+from .comm.api import average, choose_protocol
 from .comm.allreduce import allreduce_bytes_per_worker
 from .errors import NonFiniteError
 from .quantizers.base import Quantizer
@@ -223,14 +223,7 @@ class GradqState:
     def _resolve_strategy(self, world: int) -> str:
         if self.strategy != "auto":
             return self.strategy
-        q = self.quantizer
-        if world == 1:
-            return "local"
-        if q.summable:
-            return "allreduce"
-        if q.field_layout(1024) is not None:
-            return "scatter"
-        return "allgather"
+        return choose_protocol(self.quantizer, world)
 
     def _keeps_fp32(self, name: str, p: torch.Tensor) -> bool:
         return (self.step < self.warmup_steps or p.numel() < self.min_numel or name in self.uncompressed
@@ -240,22 +233,7 @@ class GradqState:
 def _communicate(state: GradqState, strategy: str, x: torch.Tensor, name: str, seed: int,
                  rank: int) -> tuple[torch.Tensor, int]:
     """Average ``x`` over the group through ``strategy``; returns (average, bytes this worker sent)."""
-    q, g = state.quantizer, state.process_group
-    info: dict[str, Any] = {}
-    if strategy == "local":
-        ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
-        out = q.decode(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=ss, name=name))
-        return out, 0
-    if strategy == "allreduce":
-        out = shared_scale_allreduce(x, q, group=g, seed=seed, name=name, info=info)
-    elif strategy == "scatter":
-        out = scatter_allgather(x, q, group=g, seed=seed, name=name, info=info)
-    elif strategy == "allgather":
-        out = allgather_mean(x, q, group=g, seed=seed, name=name, info=info)
-    else:
-        out = parameter_server_mean(x, q, group=g, seed=seed, name=name, info=info)
-        info["bytes_sent"] = info["push_nbytes"]
-    return out, int(info["bytes_sent"])
+    return average(x, state.quantizer, strategy, group=state.process_group, seed=seed, name=name, rank=rank)
 
 
 def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

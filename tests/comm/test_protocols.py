@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gradq
+from gradq.comm.api import average, choose_protocol
 from gradq.comm import (allgather_mean, code_dtype, derive_seed, parameter_server_mean, reduce_dtype,
                         scatter_allgather, shared_scale_allreduce)
 
@@ -42,6 +43,10 @@ def cases():
     return out
 
 
+API_SPECS = {"maxnorm:bits=4": "allreduce", "qsgd:bits=4": "scatter", "topk:ratio=0.2": "scatter",
+             "qsgd:bits=4,coding=elias": "allgather"}
+
+
 def _key(proto, spec, n, kw):
     return f"{proto}|{spec}|{n}|{sorted(kw.items())}"
 
@@ -61,6 +66,13 @@ def _child(rank: int, world: int, tmp: str) -> None:
     for step in range(2):  # memories carry over between calls
         res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
                                              name="w", second_ef=ef2)
+    ts = [grad(rank, 300), grad(rank, 77).reshape(7, 11)]
+    for spec in API_SPECS:  # the hook-free entry point against the protocol it picks
+        copies = [t.clone() for t in ts]
+        res[f"api|{spec}"] = (copies, gradq.allreduce_(copies, spec, seed=SEED, names=["a", "b"]))
+        q = gradq.build(spec)
+        res[f"apiref|{spec}"] = [average(t, q, choose_protocol(q, world), seed=derive_seed(SEED, None, nm), name=nm,
+                                         rank=rank)[0].reshape(t.shape) for t, nm in zip(ts, ["a", "b"])]
     try:
         shared_scale_allreduce(grad(rank, 16), gradq.build("qsgd"), seed=SEED)
         res["refused"] = None
@@ -145,8 +157,8 @@ def run(request, tmp_path_factory):
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith("info|") or key == "mismatch":
-            continue  # per-rank figures (payload sizes of entropy-coded schemes; each rank's own size)
+        if key.startswith(("info|", "api")) or key == "mismatch":
+            continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):
                 assert torch.equal(val, outs[r][key]), (key, r)
@@ -255,3 +267,30 @@ def test_derive_seed():
     seeds = {derive_seed(5, r, t) for r in (None, 0, 1, 2) for t in ("encode", "chunk0", 0, 1)}
     assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
     assert derive_seed(5, 1, "encode") == derive_seed(5, 1, "encode") != derive_seed(6, 1, "encode")
+
+
+def test_allreduce_in_place_entry_point(run):
+    """gradq.allreduce_ picks the auto protocol, writes the average in place (shape kept), equals a
+    direct call of that protocol with the same derived seeds, and agrees on every rank."""
+    world, outs = run
+    for spec, proto in API_SPECS.items():
+        copies, stats = outs[0][f"api|{spec}"]
+        assert stats["protocol"] == proto and stats["numel"] == 377 and stats["bytes_sent"] > 0
+        assert copies[1].shape == (7, 11)
+        for rank in range(world):
+            got, _ = outs[rank][f"api|{spec}"]
+            for a, b, ref in zip(got, copies, outs[rank][f"apiref|{spec}"]):
+                assert torch.equal(a, b) and torch.equal(a, ref)
+
+
+def test_allreduce_in_place_single_process():
+    """Without an initialised process group it quantizes locally (same error as a real run)."""
+    x = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    stats = gradq.allreduce_(y, "qsgd:bits=2,bucket=100", seed=7, names=["w"])
+    q = gradq.build("qsgd:bits=2,bucket=100")
+    assert stats == {"protocol": "local", "bytes_sent": 0, "numel": 500}
+    assert torch.equal(y, q.decode(q.encode(x, seed=derive_seed(derive_seed(7, None, "w"), 0, "encode"))))
+    with pytest.raises(TypeError, match="floating-point"):
+        gradq.allreduce_(torch.arange(3), "none")
+

@@ -20,7 +20,7 @@ from __future__ import annotations
 import zlib
 from typing import Optional, Union
 
-__all__ = ["derive_seed", "allgather_mean", "shared_scale_allreduce", "code_dtype", "reduce_dtype",
+__all__ = ["derive_seed", "allreduce_", "choose_protocol", "average", "PROTOCOLS", "allgather_mean", "shared_scale_allreduce", "code_dtype", "reduce_dtype",
            "allreduce_bytes_per_worker", "scatter_allgather", "parameter_server_mean"]
 
 _M64 = (1 << 64) - 1
@@ -55,3 +55,4 @@ from .allgather import allgather_mean  # noqa: E402
 from .allreduce import allreduce_bytes_per_worker, code_dtype, reduce_dtype, shared_scale_allreduce  # noqa: E402
 from .scatter import scatter_allgather  # noqa: E402
 from .ps import parameter_server_mean  # noqa: E402
+from .api import PROTOCOLS, allreduce_, average, choose_protocol  # noqa: E402

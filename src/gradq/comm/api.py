@@ -1,0 +1,106 @@
+"""Choosing a protocol, and the hook-free entry point ``gradq.allreduce_`` for custom training loops.
+
+:func:`choose_protocol` is the ``"auto"`` rule shared by the DDP hook and :func:`allreduce_`: the
+shared-scale integer all-reduce for summable quantizers, scatter-reduce/all-gather for fixed-width
+ones (packed codes travel inside the collective at their own width), all-gather for variable-size
+payloads (Top-K, Elias/ANS streams), and a local encode/decode when there is one worker.
+:func:`average` runs one protocol by name and returns the average and the bytes this worker sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..quantizers.base import Quantizer
+from ..spec import build
+from . import derive_seed
+from .allgather import allgather_mean
+from .allreduce import shared_scale_allreduce
+from .ps import parameter_server_mean
+from .scatter import scatter_allgather
+
+__all__ = ["PROTOCOLS", "choose_protocol", "average", "allreduce_"]
+
+#: protocols by name (plus "local" for a single worker)
+PROTOCOLS = ("allreduce", "scatter", "allgather", "ps")
+
+
+def choose_protocol(q: Quantizer, world_size: int) -> str:
+    """The ``"auto"`` protocol for quantizer ``q`` on ``world_size`` workers (see the module docstring)."""
+    if world_size == 1:
+        return "local"
+    if q.summable:
+        return "allreduce"
+    if q.field_layout(1024) is not None:
+        return "scatter"
+    return "allgather"
+
+
+def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, seed: int,
+            name: Optional[str] = None, rank: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """Average ``x`` over the group through ``protocol``; returns ``(average, bytes this worker sent)``.
+
+    ``"local"`` (one worker) encodes and decodes in place of communicating, so the result carries the
+    same quantization error as a multi-worker run; it sends nothing."""
+    info: dict[str, Any] = {}
+    if protocol == "local":
+        r = 0 if rank is None else rank
+        ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
+        out = q.decode(q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name))
+        return out, 0
+    if protocol == "allreduce":
+        out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info)
+    elif protocol == "scatter":
+        out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info)
+    elif protocol == "allgather":
+        out = allgather_mean(x, q, group=group, seed=seed, name=name, info=info)
+    elif protocol == "ps":
+        out = parameter_server_mean(x, q, group=group, seed=seed, name=name, info=info)
+        info["bytes_sent"] = info["push_nbytes"]  # what a worker sends; the server's broadcast is extra
+    else:
+        raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
+    return out, int(info["bytes_sent"])
+
+
+def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: Union[str, Quantizer], *,
+               group: Any = None, protocol: str = "auto", seed: int = 0,
+               names: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Replace every tensor, in place, by its quantized average over the workers of ``group``.
+
+    For custom loops without DDP: call it on the gradients after ``backward()`` on every rank, with the
+    same quantizer, protocol and ``seed`` everywhere (vary ``seed`` per step, e.g. the step number, so
+    the rounding noise is fresh). Each tensor is quantized on its own (layer-wise schemes see layers);
+    ``names`` key per-tensor state such as error-feedback residuals (default ``"0"``, ``"1"``, …).
+
+    Returns ``{"protocol", "bytes_sent", "numel"}`` for this call.
+
+    >>> # for p in model.parameters(): ...   (after loss.backward())
+    >>> # gradq.allreduce_([p.grad for p in model.parameters()], "qsgd:bits=4", seed=step)
+    """
+    q = build(quantizer)
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if names is None:
+        names = [str(i) for i in range(len(ts))]
+    if len(names) != len(ts):
+        raise ValueError(f"{len(names)} names for {len(ts)} tensors")
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and protocol == "auto":
+        protocol = choose_protocol(q, world)
+    elif world == 1:
+        protocol = "local"
+    elif protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
+    rank = dist.get_rank(group) if world > 1 else 0
+    sent = numel = 0
+    for t, name in zip(ts, names):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"allreduce_ needs floating-point tensors; {name!r} is "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+        out, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name, rank=rank)
+        t.copy_(out.reshape(t.shape))
+        sent += b
+        numel += t.numel()
+    return {"protocol": protocol, "bytes_sent": sent, "numel": numel}
