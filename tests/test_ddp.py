@@ -111,6 +111,10 @@ def _child(rank: int, world: int, tmp: str) -> None:
         st = gradq.register(m, "qsgd:bits=4", strategy, **KW)
         res[f"same|{strategy}"] = train(m, torch.optim.SGD(m.parameters(), lr=0.1), rank, range(2))
         res[f"stats|{strategy}"] = dict(st.last_stats)
+    m = ddp()  # the error report and the time breakdown
+    st = gradq.register(m, "qsgd:bits=2", measure_error=True, **KW)
+    backward(m, rank, 0)
+    res["measured"] = dict(st.last_stats)
     m = ddp()  # policy: a named parameter stays fp32 even above min_numel; warm-up steps are all fp32
     st = gradq.register(m, "maxnorm:bits=2", min_numel=500, uncompressed={"2.weight"}, warmup_steps=1)
     backward(m, rank, 0)
@@ -301,3 +305,16 @@ def test_nan_policies(outs):
 def test_mismatched_specs_fail_on_both_ranks(outs):
     for r in outs:
         assert r["mismatch"] is not None and "spec" in r["mismatch"] and "disagree" in r["mismatch"]
+
+
+def test_error_report_and_time_breakdown(outs):
+    for r in outs:
+        st = r["measured"]
+        # 2-bit QSGD (s = 1) on Gaussian-like gradients: relative error of the 2-worker average is
+        # well above 0 and below the single-encode bound sqrt(min(d/s², √d/s)) ≈ 22 for d = 512
+        assert 0.05 < st["rel_error"] < 5, st
+        parts = st["encode_seconds"] + st["comm_seconds"] + st["decode_seconds"]
+        assert min(st["encode_seconds"], st["comm_seconds"], st["decode_seconds"]) > 0
+        assert parts <= st["seconds"], st
+    for r in outs:
+        assert "rel_error" not in r["stats|qsgd:bits=4"]  # only on request

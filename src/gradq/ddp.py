@@ -13,7 +13,10 @@ the parameter boundaries, so layer-wise schemes (TernGrad's per-layer scaler, pa
 and error-feedback residuals are keyed by PARAMETER NAME — DDP rebuilds its buckets after the first
 iteration, so bucket indices are not stable keys.
 
-Policy (kept in float32, averaged with ONE all-reduce of their concatenation per bucket):
+Policy (kept in float32; averaged with one all-reduce of their concatenation per bucket on 2 ranks,
+and with one all-reduce per parameter on more — **[decided]** with 3 or more ranks the ring's float
+summation order depends on an element's position in the buffer, which DDP's bucket rebuild changes,
+so per-parameter reductions are what keeps a resumed run bit-identical to an uninterrupted one):
 tensors with fewer than ``min_numel`` elements (QSGD's experiments left tensors below 10 000 elements
 unquantized, paper 000 §4), 1-D tensors (biases, norm scales) when ``keep_1d_fp32``, parameters named
 in ``uncompressed`` (TernGrad §4.2 keeps the last classifier in full precision), and every parameter
@@ -84,18 +87,23 @@ class GradqState:
         warmup_steps: the first steps are averaged in float32 (default 0).
         nan_policy: ``"raise"`` (default; :class:`NonFiniteError` naming the parameter, on every rank)
             or ``"skip"`` (the step's gradient is zeroed on every rank and ``skipped_steps`` counts it).
+        measure_error: also report ``rel_error`` = ‖ĝ − ḡ‖/‖ḡ‖ over the quantized parameters, with ḡ
+            the exact average (costs one extra float32 all-reduce of those parameters per step).
         module: the model (or DDP wrapper) whose ``named_parameters`` name the bucket's parameters;
             may be given later with :meth:`bind`.
 
     Attributes: ``step`` (completed hook steps), ``skipped_steps``, ``last_stats`` (dict of the last step:
-    ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds``,
-    ``skipped``), ``totals`` (cumulative ``bytes_sent``, ``coords``, ``seconds``, ``steps``), ``strategy_used``.
+    ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds`` in the
+    hook, of which ``encode_seconds``, ``comm_seconds`` (waiting for the network: the float32
+    all-reduces and what the protocols could not hide behind encoding/decoding) and ``decode_seconds``,
+    ``skipped``, and ``rel_error`` with ``measure_error``), ``totals`` (cumulative ``bytes_sent``,
+    ``coords``, ``seconds``, ``encode/comm/decode_seconds``, ``steps``), ``strategy_used``.
     """
 
     def __init__(self, spec: str | Quantizer, strategy: str = "auto", *, process_group: Any = None,
                  seed: int = 0, min_numel: int = 10_000, keep_1d_fp32: bool = True,
                  uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
-                 module: Optional[torch.nn.Module] = None) -> None:
+                 measure_error: bool = False, module: Optional[torch.nn.Module] = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if nan_policy not in NAN_POLICIES:
@@ -118,6 +126,7 @@ class GradqState:
         self.uncompressed = frozenset(str(n) for n in uncompressed)
         self.warmup_steps = int(warmup_steps)
         self.nan_policy = nan_policy
+        self.measure_error = bool(measure_error)
         self.step = 0
         self.skipped_steps = 0
         self.strategy_used: Optional[str] = None
@@ -135,7 +144,8 @@ class GradqState:
 
     @staticmethod
     def _fresh_pending() -> dict[str, Any]:
-        return {"bytes_sent": 0, "coords": 0, "quantized_coords": 0, "seconds": 0.0, "skip": False}
+        return {"bytes_sent": 0, "coords": 0, "quantized_coords": 0, "seconds": 0.0, "skip": False,
+                "encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "err2": 0.0, "ref2": 0.0}
 
     # -- names -------------------------------------------------------------------------------------
     def bind(self, module: torch.nn.Module) -> "GradqState":
@@ -165,7 +175,7 @@ class GradqState:
 
     def _check_consistency(self, device: torch.device) -> None:
         """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches."""
-        items = {**self.settings(), "step": self.step}
+        items = {**self.settings(), "step": self.step, "measure_error": self.measure_error}
         keys = list(items)
         vals = [zlib.crc32(repr(items[k]).encode("utf-8")) for k in keys]
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=device)
@@ -231,9 +241,16 @@ class GradqState:
 
 
 def _communicate(state: GradqState, strategy: str, x: torch.Tensor, name: str, seed: int,
-                 rank: int) -> tuple[torch.Tensor, int]:
-    """Average ``x`` over the group through ``strategy``; returns (average, bytes this worker sent)."""
-    return average(x, state.quantizer, strategy, group=state.process_group, seed=seed, name=name, rank=rank)
+                 rank: int) -> int:
+    """Average ``x`` over the group through ``strategy``, in place; returns the bytes this worker sent
+    and adds the protocol's encode/comm/decode seconds to the step's figures."""
+    info: dict[str, Any] = {}
+    _, nbytes = average(x, state.quantizer, strategy, group=state.process_group, seed=seed, name=name,
+                        rank=rank, out=x, info=info, verify=False)  # sizes: DDP's; spec: checked at step 0
+    pend = state._pending
+    for k in ("encode_s", "comm_s", "decode_s"):
+        pend[k] += info.get(k, 0.0)
+    return nbytes
 
 
 def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -287,21 +304,35 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     else:
         step_seed = derive_seed(state.seed, None, state.step)
         fp32 = [i for i, (n, p) in enumerate(zip(names, params)) if state._keeps_fp32(n, p)]
-        if fp32:
+        t_fp32 = time.perf_counter()
+        if fp32 and world <= 2:  # a + b rounds the same in any layout: one all-reduce for the group
             flat = torch.cat([views[i].reshape(-1) for i in fp32])
             dist.all_reduce(flat, group=group)
             flat.div_(world)
             for i, part in zip(fp32, torch.split(flat, [sizes[i] for i in fp32])):
                 views[i].copy_(part)
             pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel(), world, flat.dtype)
+        for i in fp32 if world > 2 else ():
+            # one all-reduce per parameter: the ring's summation order then depends on the tensor
+            # alone, not on where DDP's (rebuilt) buckets put it, so a resumed run stays bit-exact
+            dist.all_reduce(views[i], group=group)
+            views[i].div_(world)
+            pend["bytes_sent"] += allreduce_bytes_per_worker(sizes[i], world, views[i].dtype)
+        pend["comm_s"] += time.perf_counter() - t_fp32
         kept = set(fp32)
         for i, (n, v) in enumerate(zip(names, views)):
             if i in kept:
                 continue
-            out, nbytes = _communicate(state, strategy, v, n, derive_seed(step_seed, None, n), rank)
-            v.copy_(out.reshape(v.shape))
-            pend["bytes_sent"] += nbytes
+            exact = None
+            if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
+                exact = v.detach().clone()
+                dist.all_reduce(exact, group=group)
+                exact.div_(world)
+            pend["bytes_sent"] += _communicate(state, strategy, v, n, derive_seed(step_seed, None, n), rank)
             pend["quantized_coords"] += v.numel()
+            if exact is not None:
+                pend["err2"] += float((v.detach().double() - exact.double()).square().sum())
+                pend["ref2"] += float(exact.double().square().sum())
     state._step_buffers.append(buf)
     pend["coords"] += buf.numel()
     pend["seconds"] += time.perf_counter() - t0
@@ -318,10 +349,15 @@ def _finish_step(state: GradqState) -> None:
     state.last_stats = {"step": state.step, "bytes_sent": p["bytes_sent"], "coords": coords,
                         "quantized_coords": p["quantized_coords"],
                         "bits_per_coord": 8.0 * p["bytes_sent"] / coords if coords else 0.0,
-                        "seconds": p["seconds"], "skipped": p["skip"], "strategy": state.strategy_used}
+                        "seconds": p["seconds"], "encode_seconds": p["encode_s"], "comm_seconds": p["comm_s"],
+                        "decode_seconds": p["decode_s"], "skipped": p["skip"], "strategy": state.strategy_used}
+    if state.measure_error and p["quantized_coords"]:
+        state.last_stats["rel_error"] = (p["err2"] / p["ref2"]) ** 0.5 if p["ref2"] > 0 else 0.0
     state.totals["bytes_sent"] += p["bytes_sent"]
     state.totals["coords"] += coords
     state.totals["seconds"] += p["seconds"]
+    for k in ("encode", "comm", "decode"):
+        state.totals[f"{k}_seconds"] = state.totals.get(f"{k}_seconds", 0.0) + p[f"{k}_s"]
     state.totals["steps"] += 1
     if p["skip"]:
         state.skipped_steps += 1

@@ -24,7 +24,8 @@ ANY = ["none", "qsgd:bits=4,bucket=64", "qsgd:bits=4,bucket=64,coding=elias", "t
        "terngrad", "randk:ratio=0.25"]
 SUMMABLE = ["none", "bf16", "maxnorm:bits=4", "maxnorm:bits=8", "multiscale", "terngrad",
             "randk-maxnorm:ratio=0.25"]
-SIZES = (1001, 3)  # 1001: not divisible by 2 or 4; 3: fewer coordinates than 4 workers
+SIZES = (1001, 3)
+SEGMENTED = ["qsgd:bits=4,bucket=64", "qsgd:bits=4,bucket=64,coding=elias", "terngrad", "topk:ratio=0.1"]  # 1001: not divisible by 2 or 4; 3: fewer coordinates than 4 workers
 
 
 def grad(rank: int, n: int) -> torch.Tensor:
@@ -73,6 +74,8 @@ def _child(rank: int, world: int, tmp: str) -> None:
         q = gradq.build(spec)
         res[f"apiref|{spec}"] = [average(t, q, choose_protocol(q, world), seed=derive_seed(SEED, None, nm), name=nm,
                                          rank=rank)[0].reshape(t.shape) for t, nm in zip(ts, ["a", "b"])]
+    for spec in SEGMENTED:  # pipelined segments (the comm thread), 1001 = 3·300 + 101
+        res[f"seg|{spec}"] = scatter_allgather(grad(rank, 1001), gradq.build(spec), seed=SEED, segment=300)
     try:
         shared_scale_allreduce(grad(rank, 16), gradq.build("qsgd"), seed=SEED)
         res["refused"] = None
@@ -111,16 +114,31 @@ def expect_ps(spec, n, world, requantize):
     return gradq.build(spec).roundtrip(avg, seed=derive_seed(SEED, 0, "server"))
 
 
-def expect_scatter(spec, n, world):
+def expect_scatter(spec, n, world, xs=None, seed=SEED):
     q = gradq.build(spec)
     c = -(-n // world)
-    xs = [torch.cat([grad(r, n), torch.zeros(c * world - n)]).view(world, c) for r in range(world)]
+    xs = [grad(r, n) for r in range(world)] if xs is None else xs
+    xs = [torch.cat([x, torch.zeros(c * world - n)]).view(world, c) for x in xs]
     chunks = []
     for j in range(world):
-        avg = _mean([q.roundtrip(xs[r][j], seed=derive_seed(SEED, r, f"chunk{j}"),
-                                 shared_seed=_shared(q, f"chunk{j}")) for r in range(world)])
-        chunks.append(q.roundtrip(avg, seed=derive_seed(SEED, j, "reencode")))
+        ss = derive_seed(seed, None, f"chunk{j}") if q.needs_shared_seed else None
+        avg = _mean([q.roundtrip(xs[r][j], seed=derive_seed(seed, r, f"chunk{j}"), shared_seed=ss)
+                     for r in range(world)])
+        chunks.append(q.roundtrip(avg, seed=derive_seed(seed, j, "reencode")))
     return torch.cat(chunks)[:n]
+
+
+def test_segments_are_independent_scatters(run):
+    """With segment=300, each 300-coordinate segment (and the 101 left) is a scatter call of its own
+    with seed derive_seed(SEED, None, "segment{s}"); the pipeline must not change a single value."""
+    world, outs = run
+    for spec in SEGMENTED:
+        parts = []
+        for s, (a, b) in enumerate([(0, 300), (300, 600), (600, 900), (900, 1001)]):
+            xs = [grad(r, 1001)[a:b] for r in range(world)]
+            parts.append(expect_scatter(spec, b - a, world, xs, derive_seed(SEED, None, f"segment{s}")))
+        for r in range(world):
+            torch.testing.assert_close(outs[r][f"seg|{spec}"], torch.cat(parts), rtol=1e-6, atol=1e-6)
 
 
 def expect_allreduce(spec, n, world):
@@ -201,7 +219,12 @@ def test_allreduce_is_mean_of_decodes(run):
         q = gradq.build(spec)
         if q.max_code is not None:
             rule = code_dtype(world, q.max_code)
-            assert info["code_dtype"] == rule and info["wire_dtype"] == reduce_dtype(rule, "gloo")
+            wire = info["wire_dtype"]
+            assert info["code_dtype"] == rule
+            # signed codes travel as the (gloo-promoted) rule; the uint8 fields c + s of the fused
+            # path are just as wide and hold the sum exactly when 2·M·s <= 255
+            assert wire.itemsize == reduce_dtype(rule, "gloo").itemsize
+            assert wire == reduce_dtype(rule, "gloo") or (wire == torch.uint8 and 2 * world * q.max_code <= 255)
 
 
 def test_none_is_exact_mean(run):
@@ -243,7 +266,9 @@ def test_refusals(run):
 def test_int8_allreduce_used_when_it_fits(run):
     world, outs = run
     info = outs[0]["info|" + _key("allreduce", "maxnorm:bits=4", 1001, {})]  # s = 7: M·s <= 28
-    assert info["wire_dtype"] == torch.int8 and info["bytes_sent"] == 2 * (world - 1) * 1001 // world
+    # one byte per coordinate (uint8 fields c + 7 on the CPU fast path), plus the one float32 scale
+    assert info["wire_dtype"] in (torch.int8, torch.uint8)
+    assert info["bytes_sent"] == 2 * (world - 1) * 1001 // world + 2 * (world - 1) * 4 // world
 
 
 def test_code_dtype_never_overflows():
@@ -294,3 +319,17 @@ def test_allreduce_in_place_single_process():
     with pytest.raises(TypeError, match="floating-point"):
         gradq.allreduce_(torch.arange(3), "none")
 
+
+
+def test_choose_protocol_rule():
+    b = gradq.build
+    assert choose_protocol(b("qsgd:bits=4"), 1) == "local"
+    assert choose_protocol(b("maxnorm:bits=4"), 4) == "allreduce"          # 4·7 = 28 fits int8
+    assert choose_protocol(b("maxnorm:bits=4"), 18) == "allreduce"         # 18·7 = 126
+    assert choose_protocol(b("maxnorm:bits=4"), 19) == "scatter"           # 133: would need 4 bytes on gloo
+    assert choose_protocol(b("maxnorm:bits=8"), 2) == "scatter"            # 2·127 > 127
+    assert choose_protocol(b("terngrad"), 127) == "allreduce" and choose_protocol(b("terngrad"), 128) == "scatter"
+    assert choose_protocol(b("none"), 64) == "allreduce"                   # float sums
+    assert choose_protocol(b("qsgd:bits=2"), 4) == "scatter"
+    assert choose_protocol(b("qsgd:bits=4,coding=elias"), 4) == "allgather"
+    assert choose_protocol(b("topk:ratio=0.01"), 4) == "scatter"           # fixed K per chunk

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..quantizers.base import Quantizer
-from ._util import all_gather_bytes, check_inputs, decode_bytes, mean_in_order, payload_bytes
+from ._util import all_gather_bytes, check_inputs, decode_bytes, mean_in_order, payload_bytes, phase
 
 __all__ = ["allgather_mean", "allgather_bytes_per_worker"]
 
@@ -28,7 +28,8 @@ def allgather_bytes_per_worker(payload_nbytes: int, world_size: int) -> int:
 
 
 def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
-                   name: Optional[str] = None, info: Optional[dict] = None) -> torch.Tensor:
+                   name: Optional[str] = None, info: Optional[dict] = None,
+                   verify: bool = True) -> torch.Tensor:
     """Average over the group's workers of ``q.decode(q.encode(x_m))``, identical on every rank.
 
     Args:
@@ -38,19 +39,22 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
         seed: base seed common to all ranks; this rank encodes with ``derive_seed(seed, rank, "encode")``
             (and, for ``needs_shared_seed`` schemes, ``shared_seed=derive_seed(seed, None, "shared")``).
         name: the tensor's name (error-feedback key, error messages).
-        info: optional dict filled with ``payload_nbytes`` (this rank's) and ``bytes_sent`` (the formula).
+        info: optional dict filled with ``payload_nbytes`` (this rank's), ``bytes_sent`` (the formula)
+            and the seconds spent in ``encode_s``, ``comm_s`` and ``decode_s``.
     Returns:
         a tensor of ``x``'s shape and dtype.
     """
     from . import derive_seed
 
-    rank, world = check_inputs("allgather_mean", x, q, group)
+    rank, world = check_inputs("allgather_mean", x, q, group, verify=verify)
     shared_seed = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
-    payload = q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name)
-    buf = payload_bytes(payload)
-    bufs = all_gather_bytes(buf, q.expected_nbytes(x.numel()), group)
-    decoded = [decode_bytes(q, b, x.shape, x.dtype) for b in bufs]
+    with phase(info, "encode"):
+        buf = payload_bytes(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name))
+    with phase(info, "comm"):
+        bufs = all_gather_bytes(buf, q.expected_nbytes(x.numel()), group)
+    with phase(info, "decode"):
+        out = mean_in_order([decode_bytes(q, b, x.shape, x.dtype) for b in bufs]).reshape(x.shape).to(x.dtype)
     if info is not None:
         info.update(payload_nbytes=int(buf.numel()),
                     bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
-    return mean_in_order(decoded).reshape(x.shape).to(x.dtype)
+    return out

@@ -12,6 +12,12 @@ Steps, for ``M`` workers holding ``g^m``:
 4. ``q.decode_codes(Σ_m c^m, shared=reduced, count=M)`` is the average of the workers' decodes
    (e.g. QSGDMaxNorm: ``w·Σ_m c^m/(s·M)``, paper 002 §3.1).
 
+Fast path (MaxNorm, TernGrad on CPU): the codes come from the fused kernel as uint8 *fields*
+``c + s`` (:meth:`SummableQuantizer.encode_fields`, the same codes); the SUM of ``M`` workers' fields is
+``Σc + M·s`` and is sent as uint8 when ``2·M·s ≤ 255`` (the same bound as int8 codes, ``M·s ≤ 127``),
+otherwise widened; the decode of the sum subtracts ``M·s`` and scales per bucket in one kernel pass.
+The average then differs from ``decode_codes``'s by float rounding only (``Σc·w/(M·s)`` in one product).
+
 Backend note (measured with torch 2.13): gloo's ``all_reduce`` accepts int8, uint8, int32, int64,
 float16, bfloat16, float32 but rejects int16 ("Invalid scalar type"); NCCL has no int16 type either.
 So on gloo and NCCL an int16 choice is sent as int32 (:func:`reduce_dtype`); the pure rule
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs
+from ._util import check_inputs, phase
 
 __all__ = ["shared_scale_allreduce", "code_dtype", "reduce_dtype", "allreduce_bytes_per_worker"]
 
@@ -69,7 +75,7 @@ def allreduce_bytes_per_worker(numel: int, world_size: int, dtype: torch.dtype) 
 
 def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                            shared_seed: Optional[int] = None, name: Optional[str] = None,
-                           info: Optional[dict] = None) -> torch.Tensor:
+                           info: Optional[dict] = None, verify: bool = True) -> torch.Tensor:
     """Average over workers of the decoded gradients via an integer SUM all-reduce (module docstring).
 
     Args:
@@ -94,10 +100,11 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
     if q.needs_shared_seed and shared_seed is None:
         shared_seed = derive_seed(seed, None, "shared")
     extra = [] if shared_seed is None else [int(shared_seed) & ((1 << 63) - 1)]
-    rank, world = check_inputs("shared_scale_allreduce", x, q, group, extra)
+    rank, world = check_inputs("shared_scale_allreduce", x, q, group, extra, verify=verify)
     backend = dist.get_backend(group)
 
-    stats = q.shared_stats(x, shared_seed=shared_seed, name=name)
+    with phase(info, "encode"):
+        stats = q.shared_stats(x, shared_seed=shared_seed, name=name)
     reduced: dict[str, torch.Tensor] = {}
     for key in sorted(stats):
         value, op = stats[key]
@@ -105,20 +112,43 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
             raise ValueError(f"{q.spec}: shared stat {key!r} has unknown reduction {op!r}")
         wire = reduce_dtype(value.dtype, backend)
         t = value.detach().to(wire).contiguous().clone()
-        if t.numel():
-            dist.all_reduce(t, op=_OPS[op], group=group)
+        with phase(info, "comm"):
+            if t.numel():
+                dist.all_reduce(t, op=_OPS[op], group=group)
         reduced[key] = t.to(value.dtype)
 
-    codes = q.encode_codes(x, shared=reduced, seed=derive_seed(seed, rank, "encode"),  # type: ignore[attr-defined]
-                           shared_seed=shared_seed, name=name)
     max_code = q.max_code  # type: ignore[attr-defined]
-    rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
-    wire = reduce_dtype(rule, backend)
-    total = codes.to(wire).contiguous()
-    if total.numel():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    seed_r = derive_seed(seed, rank, "encode")
+    fields = None
+    with phase(info, "encode"):
+        if max_code is not None and hasattr(q, "encode_fields"):
+            fields = q.encode_fields(x, shared=reduced, seed=seed_r, shared_seed=shared_seed, name=name)
+    if fields is not None:
+        # fast path: one byte c + s per coordinate from the fused kernel; Σ_m fields fits uint8 when 2Ms ≤ 255
+        rule = code_dtype(world, int(max_code))
+        wide = 2 * world * int(max_code) > 255
+        wire = reduce_dtype(code_dtype(world, 2 * int(max_code)), backend) if wide else torch.uint8
+        total = fields.to(wire) if wide else fields
+        with phase(info, "comm"):
+            if total.numel():
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        with phase(info, "decode"):
+            out = q.decode_field_sum(total, shared=reduced, count=world, like=x)
+    else:
+        with phase(info, "encode"):
+            codes = q.encode_codes(x, shared=reduced, seed=seed_r,  # type: ignore[attr-defined]
+                                   shared_seed=shared_seed, name=name)
+        rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
+        wire = reduce_dtype(rule, backend)
+        total = codes.to(wire).contiguous()
+        with phase(info, "comm"):
+            if total.numel():
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        with phase(info, "decode"):
+            out = q.decode_codes(total, shared=reduced, count=world, like=x,  # type: ignore[attr-defined]
+                                 shared_seed=shared_seed)
     if info is not None:
         info.update(code_dtype=rule, wire_dtype=wire,
-                    bytes_sent=allreduce_bytes_per_worker(total.numel(), world, wire))
-    return q.decode_codes(total, shared=reduced, count=world, like=x,  # type: ignore[attr-defined]
-                          shared_seed=shared_seed)
+                    bytes_sent=allreduce_bytes_per_worker(total.numel(), world, wire)
+                    + sum(allreduce_bytes_per_worker(t.numel(), world, t.dtype) for t in reduced.values()))
+    return out

@@ -1,8 +1,9 @@
 """Choosing a protocol, and the hook-free entry point ``gradq.allreduce_`` for custom training loops.
 
 :func:`choose_protocol` is the ``"auto"`` rule shared by the DDP hook and :func:`allreduce_`: the
-shared-scale integer all-reduce for summable quantizers, scatter-reduce/all-gather for fixed-width
-ones (packed codes travel inside the collective at their own width), all-gather for variable-size
+shared-scale integer all-reduce for summable quantizers while the sum of ``M`` codes fits one byte
+(``M·max_code ≤ 127``: wider sums would cost 4 bytes per coordinate on gloo and NCCL, which have no
+int16), scatter-reduce/all-gather for fixed-width ones (and for summable ones beyond that bound) (packed codes travel inside the collective at their own width), all-gather for variable-size
 payloads (Top-K, Elias/ANS streams), and a local encode/decode when there is one worker.
 :func:`average` runs one protocol by name and returns the average and the bytes this worker sent.
 """
@@ -19,6 +20,7 @@ from ..spec import build
 from . import derive_seed
 from .allgather import allgather_mean
 from .allreduce import shared_scale_allreduce
+from ._util import phase
 from .ps import parameter_server_mean
 from .scatter import scatter_allgather
 
@@ -32,7 +34,8 @@ def choose_protocol(q: Quantizer, world_size: int) -> str:
     """The ``"auto"`` protocol for quantizer ``q`` on ``world_size`` workers (see the module docstring)."""
     if world_size == 1:
         return "local"
-    if q.summable:
+    mc = getattr(q, "max_code", None) if q.summable else None
+    if q.summable and (mc is None or world_size * int(mc) <= 127):
         return "allreduce"
     if q.field_layout(1024) is not None:
         return "scatter"
@@ -40,25 +43,43 @@ def choose_protocol(q: Quantizer, world_size: int) -> str:
 
 
 def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, seed: int,
-            name: Optional[str] = None, rank: Optional[int] = None) -> tuple[torch.Tensor, int]:
+            name: Optional[str] = None, rank: Optional[int] = None,
+            out: Optional[torch.Tensor] = None, info: Optional[dict] = None,
+            verify: bool = True) -> tuple[torch.Tensor, int]:
     """Average ``x`` over the group through ``protocol``; returns ``(average, bytes this worker sent)``.
 
     ``"local"`` (one worker) encodes and decodes in place of communicating, so the result carries the
-    same quantization error as a multi-worker run; it sends nothing."""
-    info: dict[str, Any] = {}
+    same quantization error as a multi-worker run; it sends nothing. ``out`` (``x``'s shape and dtype,
+    may be ``x``) receives the average and is returned; the scatter protocol decodes straight into it.
+    ``info``: a dict that receives the protocol's figures (``encode_s``, ``comm_s``, ``decode_s``…).
+    ``verify=False`` skips the protocols' cross-rank check of size and spec (one small all-reduce per
+    call) for callers that guarantee them, as the DDP hook does after its first-step check."""
+    info = {} if info is None else info
+    if out is not None:
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"out= must have x's shape {tuple(x.shape)} and dtype {x.dtype}")
+        if protocol == "scatter":
+            res = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, out=out, verify=verify)
+            return res, int(info["bytes_sent"])
+        res, nbytes = average(x, q, protocol, group=group, seed=seed, name=name, rank=rank, info=info,
+                              verify=verify)
+        return out.copy_(res.reshape(out.shape)), nbytes
     if protocol == "local":
         r = 0 if rank is None else rank
         ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
-        out = q.decode(q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name))
-        return out, 0
+        with phase(info, "encode"):
+            p = q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name)
+        with phase(info, "decode"):
+            res = q.decode(p)
+        return res, 0
     if protocol == "allreduce":
-        out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info)
+        out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
     elif protocol == "scatter":
-        out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info)
+        out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
     elif protocol == "allgather":
-        out = allgather_mean(x, q, group=group, seed=seed, name=name, info=info)
+        out = allgather_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
     elif protocol == "ps":
-        out = parameter_server_mean(x, q, group=group, seed=seed, name=name, info=info)
+        out = parameter_server_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
         info["bytes_sent"] = info["push_nbytes"]  # what a worker sends; the server's broadcast is extra
     else:
         raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
@@ -99,8 +120,8 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"allreduce_ needs floating-point tensors; {name!r} is "
                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
-        out, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name, rank=rank)
-        t.copy_(out.reshape(t.shape))
+        _, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name, rank=rank,
+                       out=t)
         sent += b
         numel += t.numel()
     return {"protocol": protocol, "bytes_sent": sent, "numel": numel}

@@ -15,13 +15,14 @@ The asynchronous variant (stale parameters) is a training-loop concern and is no
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, decode_bytes, mean_in_order, payload_bytes, plain
+from ._util import check_inputs, decode_bytes, mean_in_order, payload_bytes, phase, plain
 
 __all__ = ["parameter_server_mean"]
 
@@ -32,7 +33,7 @@ def _global(group: Any, rank: int) -> int:
 
 def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int, server: int = 0,
                           requantize: bool = False, name: Optional[str] = None,
-                          info: Optional[dict] = None) -> torch.Tensor:
+                          info: Optional[dict] = None, verify: bool = True) -> torch.Tensor:
     """Average over workers of the decoded gradients, computed at ``server`` and broadcast.
 
     Args:
@@ -48,13 +49,16 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
     """
     from . import derive_seed
 
-    rank, world = check_inputs("parameter_server_mean", x, q, group, [server, int(bool(requantize))])
+    rank, world = check_inputs("parameter_server_mean", x, q, group, [server, int(bool(requantize))],
+                               verify=verify)
     if not 0 <= server < world:
         raise ValueError(f"parameter_server_mean: server={server} is not a rank of a group of {world}")
     src = _global(group, server)
     dev = x.device
     shared_seed = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
-    buf = payload_bytes(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name))
+    with phase(info, "encode"):
+        buf = payload_bytes(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name))
+    t_comm = time.perf_counter()
 
     fixed = q.expected_nbytes(x.numel())
     if fixed is not None:
@@ -94,6 +98,7 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         dist.broadcast(b2, src=src, group=group)
         out = decode_bytes(q2, b2, x.shape, x.dtype)
         pull = fixed2
-    if info is not None:
+    if info is not None:  # the server's decode and re-encode count as waiting for the others
+        info["comm_s"] = info.get("comm_s", 0.0) + time.perf_counter() - t_comm
         info.update(push_nbytes=int(buf.numel()), pull_nbytes=int(pull))
     return out.reshape(x.shape).to(x.dtype)

@@ -18,8 +18,17 @@ exchange. With ``M`` workers and ``n`` coordinates:
 
 The result is NOT the mean of the workers' decodes but its re-quantization ``Q(mean of chunk)``.
 
-Backend note (measured, torch 2.13): gloo supports ``all_to_all_single`` on uint8 CPU tensors, with
-and without split sizes, so no point-to-point fallback is needed.
+Pipeline **[decided]**: a tensor of more than :data:`SEGMENT_NUMEL` coordinates is cut into segments
+of that size, and each segment is one independent run of steps 1-6 (seed
+``derive_seed(seed, None, "segment{s}")``, error-feedback keys suffixed ``@s``). The exchanges run on
+one background thread in a fixed order (all-to-all of segment ``s+1`` is queued before the all-gather
+of segment ``s``), while the calling thread encodes the next segment and decodes finished ones — so
+encoding and decoding hide behind the transfers instead of adding to them. Layer-wise schemes
+(``bucket=none``) then have one scale per (segment, chunk), as they already have one per chunk.
+
+Backend notes (measured, torch 2.13, 4 ranks, ``benchmarks/bench_collectives.py``): gloo supports
+``all_to_all_single`` on uint8 CPU tensors with split sizes. Its ``all_gather`` is slow per byte, so on
+gloo step 6 goes around a ring of point-to-point messages (:func:`gradq.comm._util.ring_all_gather`).
 
 Traffic per worker: ``(M−1)·B_c`` bytes in the all-to-all plus ``(M−1)·B_c'`` in the ring all-gather,
 with ``B_c ≈ c·bits/8 + header`` — in total ``≈ 2(M−1)/M · n·bits/8`` bytes (a ring all-reduce at
@@ -28,17 +37,24 @@ with ``B_c ≈ c·bits/8 + header`` — in total ``≈ 2(M−1)/M · n·bits/8``
 
 from __future__ import annotations
 
+import queue
+import threading
 import zlib
-from typing import Any, Optional
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
-from ._util import all_gather_bytes, check_inputs, decode_bytes, mean_in_order, payload_bytes, plain
+from ._util import all_gather_bytes, check_inputs, payload_bytes, phase, plain
 
-__all__ = ["scatter_allgather", "scatter_bytes_per_worker"]
+__all__ = ["scatter_allgather", "scatter_bytes_per_worker", "SEGMENT_NUMEL"]
+
+#: coordinates per pipeline segment: large tensors are cut into segments so that the encode of one
+#: segment, the exchanges of the previous ones and the decode of older ones run at the same time
+SEGMENT_NUMEL = 1 << 22
 
 
 def scatter_bytes_per_worker(chunk_nbytes: int, reencoded_nbytes: int, world_size: int) -> int:
@@ -50,9 +66,104 @@ def _key(name: Optional[str], part: str) -> str:
     return f"{'' if name is None else name}#{part}"
 
 
+def _chunks(x: torch.Tensor, world: int) -> tuple[list[torch.Tensor], int]:
+    """``world`` float32 chunks of ``c = ceil(n/world)`` coordinates: views of ``x`` where possible,
+    the last (and any beyond ``n``) zero-padded copies."""
+    n = x.numel()
+    chunk = -(-n // world) if n else 0
+    flat = x.detach().reshape(-1).to(torch.float32)
+    out = []
+    for j in range(world):
+        a, b = j * chunk, min(n, (j + 1) * chunk)
+        if b - a == chunk:
+            out.append(flat[a:b])
+        else:
+            piece = flat.new_zeros(chunk)
+            if b > a:
+                piece[: b - a] = flat[a:b]
+            out.append(piece)
+    return out, chunk
+
+
+def _decode_mean(q: Quantizer, bufs: list[torch.Tensor], chunk: int) -> torch.Tensor:
+    """``(d_0 + d_1 + … + d_{M−1}) / M`` of the decoded payloads, summed left to right in float32
+    (as :func:`mean_in_order`), decoding into two reused buffers instead of M fresh tensors."""
+    acc = q.decode(q.payload_from_bytes(bufs[0], (chunk,), torch.float32), out=torch.empty(chunk))
+    tmp = torch.empty(chunk) if len(bufs) > 1 else acc
+    for b in bufs[1:]:
+        acc += q.decode(q.payload_from_bytes(b, (chunk,), torch.float32), out=tmp)
+    return acc.div_(len(bufs))
+
+
+def _exchange(send: list[torch.Tensor], fixed: Optional[int], group: Any) -> tuple[torch.Tensor, list[int]]:
+    """Phase 1: ``all_to_all_single`` of the chunk payloads (lengths first when not ``fixed``)."""
+    send_sizes = [int(b.numel()) for b in send]
+    if fixed is not None:
+        recv_sizes = [fixed] * len(send)
+    else:
+        s_in = torch.tensor(send_sizes, dtype=torch.int64, device=send[0].device)
+        s_out = torch.empty_like(s_in)
+        dist.all_to_all_single(s_out, s_in, group=group)
+        recv_sizes = [int(v) for v in s_out.tolist()]
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send[0].device)
+    dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=recv_sizes,
+                           input_split_sizes=send_sizes, group=group)
+    return recv, recv_sizes
+
+
+class _Inline:
+    """Runs a communication job at once (one segment: nothing to overlap)."""
+
+    @staticmethod
+    def submit(fn: Callable[[], Any]) -> Future:
+        f: Future = Future()
+        f.set_result(fn())
+        return f
+
+
+class _CommLane:
+    """One daemon thread that runs communication jobs in the order they are submitted.
+
+    Every rank submits the same jobs in the same program order, so the collectives match across
+    ranks; meanwhile the calling thread encodes and decodes other segments (the numba kernels and
+    torch's ops release the GIL)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="gradq-comm", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller by fut.result()
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+
+_LANE: Optional[_CommLane] = None
+_LANE_LOCK = threading.Lock()
+
+
+def _lane() -> _CommLane:
+    global _LANE
+    with _LANE_LOCK:
+        if _LANE is None:
+            _LANE = _CommLane()
+        return _LANE
+
+
 def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                       name: Optional[str] = None, second_ef: Optional[ErrorFeedback] = None,
-                      info: Optional[dict] = None) -> torch.Tensor:
+                      info: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+                      segment: Optional[int] = None, verify: bool = True) -> torch.Tensor:
     """Chunked all-to-all / average / re-encode / all-gather (module docstring); same result on all ranks.
 
     Args:
@@ -64,55 +175,113 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
         second_ef: optional :class:`ErrorFeedback` (same spec on every rank) used to re-encode this
             rank's averaged chunk with its own memory; without it the chunk is re-encoded by ``q``
             without error feedback.
-        info: optional dict filled with ``chunk``, ``bytes_sent`` (:func:`scatter_bytes_per_worker`).
+        info: optional dict filled with ``chunk``, ``segments``, ``bytes_sent`` (:func:`scatter_bytes_per_worker`).
+        out: optional tensor of ``x``'s shape and dtype for the result (may be ``x`` itself: a
+            segment's chunks are all encoded before anything is written into it).
+        segment: coordinates per pipelined segment (default :data:`SEGMENT_NUMEL`; equal on all ranks).
     Returns:
-        a tensor of ``x``'s shape and dtype.
+        ``out``, or a new tensor of ``x``'s shape and dtype.
     """
     from . import derive_seed
 
     if second_ef is not None and not isinstance(second_ef, ErrorFeedback):
         raise TypeError(f"second_ef must be a gradq.ErrorFeedback (it holds the memory), "
                         f"got {type(second_ef).__name__}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out= must have x's shape {tuple(x.shape)} and dtype {x.dtype}")
+    seg = SEGMENT_NUMEL if segment is None else segment
+    if isinstance(seg, bool) or not isinstance(seg, int) or seg < 1:
+        raise ValueError(f"segment must be a positive int, got {segment!r}")
     q2: Quantizer = plain(q) if second_ef is None else second_ef
-    extra = [zlib.crc32(q2.spec.encode("utf-8"))]
-    rank, world = check_inputs("scatter_allgather", x, q, group, extra)
+    rank, world = check_inputs("scatter_allgather", x, q, group, [zlib.crc32(q2.spec.encode("utf-8")), seg],
+                               verify=verify)
     n = x.numel()
-    chunk = -(-n // world)
+    nseg = max(1, -(-n // seg))
     flat = x.detach().reshape(-1).to(torch.float32)
-    if chunk * world != n:
-        flat = torch.cat([flat, flat.new_zeros(chunk * world - n)])
-    pieces = flat.view(world, chunk)
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    res = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=x.device)  # type: ignore[union-attr]
+    lane: Any = _Inline if nseg == 1 else _lane()
 
-    # 1-3: encode chunk j for rank j, exchange
-    bufs = []
-    for j in range(world):
-        ss = derive_seed(seed, None, f"chunk{j}") if q.needs_shared_seed else None
-        p = q.encode(pieces[j], seed=derive_seed(seed, rank, f"chunk{j}"), shared_seed=ss,
-                     name=_key(name, f"chunk{j}"))
-        bufs.append(payload_bytes(p))
-    send_sizes = [int(b.numel()) for b in bufs]
-    fixed = q.expected_nbytes(chunk)
-    if fixed is not None:
-        if any(s != fixed for s in send_sizes):
-            raise RuntimeError(f"{q.spec}: chunk payload sizes {send_sizes} differ from the promised {fixed}")
-        recv_sizes = [fixed] * world
-    else:
-        s_in = torch.tensor(send_sizes, dtype=torch.int64, device=x.device)
-        s_out = torch.empty_like(s_in)
-        dist.all_to_all_single(s_out, s_in, group=group)
-        recv_sizes = [int(v) for v in s_out.tolist()]
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(recv, torch.cat(bufs), output_split_sizes=recv_sizes,
-                           input_split_sizes=send_sizes, group=group)
+    def submit(fn: Callable[[], Any]) -> Future:
+        if nseg > 1:
+            return lane.submit(fn)
+        with phase(info, "comm"):  # one segment: the exchange runs here and now
+            return lane.submit(fn)
+    sent = [0]
+    chunk_of: dict[int, int] = {}
 
-    # 4-5: average my chunk, re-encode it
-    mine = [decode_bytes(q, b, (chunk,), torch.float32) for b in torch.split(recv, recv_sizes)]
-    avg = mean_in_order(mine)
-    p2 = q2.encode(avg, seed=derive_seed(seed, rank, "reencode"), name=_key(name, f"avg{rank}"))
+    def tags(s: int) -> tuple[int, str]:
+        # one segment keeps the plain seeds and keys; segment s of several gets its own
+        return (seed, "") if nseg == 1 else (derive_seed(seed, None, f"segment{s}"), f"@{s}")
 
-    # 6: all-gather the re-encoded chunks, decode all
-    gathered = all_gather_bytes(payload_bytes(p2), q2.expected_nbytes(chunk), group)
-    out = torch.cat([decode_bytes(q2, b, (chunk,), torch.float32) for b in gathered])[:n]
+    def span(s: int) -> tuple[int, int]:
+        return s * seg, min(n, (s + 1) * seg)
+
+    def encode(s: int) -> Future:  # steps 1-3
+        a, b = span(s)
+        sd, tg = tags(s)
+        pieces, chunk = _chunks(flat[a:b], world)
+        chunk_of[s] = chunk
+        bufs = []
+        with phase(info, "encode"):
+            for j in range(world):
+                ss = derive_seed(sd, None, f"chunk{j}") if q.needs_shared_seed else None
+                p = q.encode(pieces[j], seed=derive_seed(sd, rank, f"chunk{j}"), shared_seed=ss,
+                             name=_key(name, f"chunk{j}{tg}"))
+                bufs.append(payload_bytes(p))
+        fixed = q.expected_nbytes(chunk)
+        if fixed is not None and any(int(bb.numel()) != fixed for bb in bufs):
+            raise RuntimeError(f"{q.spec}: chunk payload sizes {[bb.numel() for bb in bufs]} differ "
+                               f"from the promised {fixed}")
+        sent[0] += sum(int(bb.numel()) for bb in bufs) - int(bufs[rank].numel())
+        return submit(lambda: _exchange(bufs, fixed, group))
+
+    def reduce(s: int, fut: Future) -> Future:  # steps 4-5
+        with phase(info, "comm"):  # what is left of the exchange once this thread needs it
+            recv, recv_sizes = fut.result()
+        chunk = chunk_of[s]
+        sd, tg = tags(s)
+        with phase(info, "decode"):
+            avg = _decode_mean(q, list(torch.split(recv, recv_sizes)), chunk)
+        with phase(info, "encode"):
+            pb = payload_bytes(q2.encode(avg, seed=derive_seed(sd, rank, "reencode"),
+                                         name=_key(name, f"avg{rank}{tg}")))
+        sent[0] += (world - 1) * int(pb.numel())
+        return submit(lambda: all_gather_bytes(pb, q2.expected_nbytes(chunk), group))
+
+    def finish(s: int, fut: Future) -> None:  # step 6
+        with phase(info, "comm"):
+            gathered = fut.result()
+        a, b = span(s)
+        chunk = chunk_of[s]
+        with phase(info, "decode"):
+            _decode_into_place(gathered, a, b, chunk)
+
+    def _decode_into_place(gathered: list[torch.Tensor], a: int, b: int, chunk: int) -> None:
+        for j, buf in enumerate(gathered):
+            lo, hi = a + j * chunk, min(b, a + (j + 1) * chunk)
+            if hi <= lo:
+                continue
+            pl = q2.payload_from_bytes(buf, (chunk,), torch.float32)
+            if hi - lo == chunk:
+                q2.decode(pl, out=res[lo:hi])
+            else:
+                res[lo:hi] = q2.decode(pl)[: hi - lo]
+
+    # software pipeline; the jobs reach the comm lane in the same order on every rank:
+    # a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...
+    a2a: dict[int, Future] = {}
+    gat: dict[int, Future] = {}
+    for s in range(nseg + 2):
+        if s < nseg:
+            a2a[s] = encode(s)
+        if 1 <= s <= nseg:
+            gat[s - 1] = reduce(s - 1, a2a.pop(s - 1))
+        if s >= 2:
+            finish(s - 2, gat.pop(s - 2))
     if info is not None:
-        info.update(chunk=chunk, bytes_sent=sum(send_sizes) - send_sizes[rank] + (world - 1) * int(p2.nbytes))
-    return out.reshape(x.shape).to(x.dtype)
+        info.update(chunk=chunk_of.get(0, 0), segments=nseg, bytes_sent=sent[0])
+    if direct:
+        return out  # type: ignore[return-value]
+    res = res.reshape(x.shape).to(x.dtype)
+    return res if out is None else out.copy_(res)

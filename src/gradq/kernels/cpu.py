@@ -42,7 +42,7 @@ _M32 = 0xFFFFFFFF
 # fastmath stays off (no FMA contraction, IEEE float32 everywhere); error_model="numpy" lets a float
 # division follow IEEE (no ZeroDivisionError branch), which keeps the loops vectorizable.
 _inline = njit(inline="always", cache=True, error_model="numpy")
-_kernel = njit(parallel=True, cache=True, error_model="numpy")
+_kernel = njit(parallel=True, cache=True, error_model="numpy", nogil=True)  # nogil: a comm thread runs meanwhile
 
 
 # -- random numbers (LLVM IR) ----------------------------------------------------------------------

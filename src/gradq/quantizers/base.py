@@ -165,7 +165,8 @@ class Quantizer:
                      name: Optional[str] = None) -> dict[str, SharedStat]:
         """Quantities the workers must reduce before encoding ``x`` (empty for most schemes)."""
         v = self._flatten(x, name)
-        return self._shared_stats(v, shared_seed)
+        ctx = EncodeContext(rng=RandomStream(0), shared_seed=shared_seed, name=name)
+        return self._own_stats(v, ctx)
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {}
@@ -358,6 +359,45 @@ class SummableQuantizer(Quantizer):
         if like is not None:
             return v.reshape(like.shape).to(like.dtype)
         return v
+
+    def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
+                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                      shared_seed: Optional[int] = None, name: Optional[str] = None) -> Optional[torch.Tensor]:
+        """The codes as one uint8 *field* ``c + max_code`` per coordinate, through a fused fast path;
+        ``None`` where the scheme or device has none (then use :meth:`encode_codes`).
+
+        Same randomness as :meth:`encode_codes`: ``fields − max_code`` equals its codes exactly. The
+        sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
+        ``2·M·max_code ≤ 255``, and :meth:`decode_field_sum` turns it into the average."""
+        v = self._flatten(x, name)
+        if self.max_code > 127 or self.needs_shared_seed:
+            return None
+        ctx = EncodeContext(rng=RandomStream(resolve_seed(seed, generator)), shared_seed=shared_seed, name=name)
+        own = ctx.own = self._own_stats(v, ctx)
+        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        return self._fields(v, ctx)
+
+    def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,
+                         like: torch.Tensor) -> torch.Tensor:
+        """The average of ``count`` workers' decodes from the SUM of their :meth:`encode_fields`
+        (uint8, or any wider integer dtype); shaped like ``like``."""
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        n = like.numel()
+        out = None
+        if total.dtype == torch.uint8:
+            out = self._decode_field_sum(total, dict(shared), count, n)
+        if out is None:
+            codes = total.to(torch.int64) - count * self.max_code
+            out = self._decode_codes(codes.to(torch.float32), dict(shared), n, None) / count
+        return out.reshape(like.shape).to(like.dtype)
+
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        return None
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int) -> Optional[torch.Tensor]:
+        return None
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         raise NotImplementedError

@@ -95,6 +95,20 @@ class MaxNorm(SummableQuantizer):
         codes = unpack_bits(fields["codes"], self.width, numel) - self.s
         return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
 
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        if not fast_cpu(v):
+            return None
+        scale = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        return kernels.uniform_encode(v, scale, self.s, self.bucket, 8, ctx.rng)
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int) -> Optional[torch.Tensor]:
+        # Σ fields − M·s = Σ codes; the kernel's scale/(M·s) per bucket gives the average directly
+        if not fast_cpu(total):
+            return None
+        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel)
+
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
         return uniform_decode(codes, shared["scale"], self.s, numel, self.bucket)

@@ -169,6 +169,19 @@ class TernGrad(SummableQuantizer):
                 raise PayloadError(f"{self.name}: corrupt codes (2-bit field value 3 is not a trit)")
         return uniform_decode(codes, fields["scales"], 1, numel, self.bucket)
 
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        if "bound" not in ctx.scratch:  # no fused kernels here (see _own_stats)
+            return None
+        scale = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        return kernels.uniform_encode(v, scale, 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int) -> Optional[torch.Tensor]:
+        if not fast_cpu(total):
+            return None
+        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel)
+
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
         return uniform_decode(codes, shared["scale"], 1, numel, self.bucket)
