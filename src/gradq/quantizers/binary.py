@@ -31,6 +31,15 @@ reconstruction values are the means of the entries with bit 1 (non-negative, zer
 bit 0 (negative). **[decided]**: an empty group's value is 0 (never decoded). Error feedback is on by
 default: ``build("onebit")`` is ``ErrorFeedback(OneBit)``; ``onebit:ef=0`` is the bare quantizer.
 Wire: 1 bit + 2 float32 ``(mean of negatives, mean of non-negatives)``.
+
+**Sums**: every float64 bucket sum of BinGrad-b, SignSGD and 1BitSGD (means, masked means) is taken in
+the fixed pairwise order of :func:`pairwise_row_sum`, not by ``torch.sum``/``mean``, whose order
+depends on the CPU's vector width and thread count. The order is part of the result: it is what the
+CPU kernels reproduce (BinGrad-pb's sorted sequential sums are matched as they are).
+
+**CPU path**: on CPU tensors with the numba kernels available (:func:`._common.fast_cpu`) the encode
+runs :mod:`gradq.kernels.binary` (statistics and packing fused per bucket), which gives the same bytes
+as the torch code here; the torch code stays the reference and the path for every other device.
 """
 
 from __future__ import annotations
@@ -43,18 +52,57 @@ from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from ..spec import IntParam, register
 from .base import EncodeContext, Quantizer
 from .. import kernels
+from ..kernels import binary as binary_kernels
+from ..kernels.binary import SUM_BLOCK
 from ._common import bucket_chunks, fast_cpu, num_buckets
 from .orq import bucket_index
 
-__all__ = ["BinGradPB", "BinGradB", "SignSGD", "OneBit", "bingrad_pb_threshold", "bingrad_b_levels"]
+__all__ = ["BinGradPB", "BinGradB", "SignSGD", "OneBit", "bingrad_pb_threshold", "bingrad_b_levels",
+           "pairwise_row_sum"]
 
 BUCKET = IntParam("bucket", 512, "bucket size (none = whole tensor)", allow_none=True, lo=1)
 
 
+def _fold(mat: torch.Tensor) -> torch.Tensor:
+    """Fold the columns in half until one is left: column ``i + h`` is added to column ``i``
+    (``h = ⌊w/2⌋``); an odd last column moves to position ``h``."""
+    while mat.shape[1] > 1:
+        w = mat.shape[1]
+        h = w // 2
+        s = mat[:, :h] + mat[:, h:2 * h]
+        mat = torch.cat([s, mat[:, 2 * h:]], dim=1) if w % 2 else s
+    return mat[:, 0]
+
+
+def pairwise_row_sum(mat: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of ``mat`` (``(k, d)``) in a fixed pairwise order: each run of ``SUM_BLOCK``
+    (4096) consecutive entries (the last run may be shorter) is folded in half repeatedly (entry
+    ``i + h`` added to entry ``i``, an odd last entry kept), then the run sums are folded the same way.
+
+    Every float64 bucket sum of this module goes through here, so the order is part of the result.
+    It replaces ``torch.sum``, whose order depends on the CPU's vector width and, for a single long
+    row, on the thread count, so the CPU kernels (:mod:`gradq.kernels.binary`) could not reproduce
+    it; this order they reproduce bit for bit. It is as accurate (error ``O(log d)`` ulps) and gives
+    the same bits on every device and thread count (it is made of elementwise additions only)."""
+    if mat.dim() != 2:
+        raise ValueError(f"expected a (rows, d) matrix, got shape {tuple(mat.shape)}")
+    k, d = mat.shape
+    if d == 0:
+        return mat.new_zeros(k)
+    if d <= SUM_BLOCK:
+        return _fold(mat)
+    q, r = divmod(d, SUM_BLOCK)
+    parts = [_fold(mat[:, :q * SUM_BLOCK].reshape(k * q, SUM_BLOCK)).view(k, q)]
+    if r:
+        parts.append(_fold(mat[:, q * SUM_BLOCK:]).unsqueeze(1))
+    return _fold(torch.cat(parts, dim=1))
+
+
 def _masked_mean(mat64: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """Per-row mean of the entries of ``mat64`` where ``mask``; ``empty`` where no entry is selected."""
+    """Per-row mean of the entries of ``mat64`` where ``mask``; ``empty`` where no entry is selected.
+    The sum runs over the whole row (``+0.0`` where the mask is off) in :func:`pairwise_row_sum`'s order."""
     cnt = mask.sum(dim=1)
-    tot = torch.where(mask, mat64, torch.zeros_like(mat64)).sum(dim=1)
+    tot = pairwise_row_sum(torch.where(mask, mat64, torch.zeros_like(mat64)))
     return torch.where(cnt > 0, tot / cnt.clamp(min=1), empty)
 
 
@@ -76,7 +124,7 @@ def bingrad_b_levels(mat: torch.Tensor, iters: int = 0) -> tuple[torch.Tensor, t
     """BinGrad-b per row of ``mat``: ``(t, b0, b1)`` after ``iters`` Lloyd iterations (float64);
     a value ``g`` maps to ``b1`` if ``g ≥ t`` else ``b0``."""
     m64 = mat.to(torch.float64)
-    t = m64.mean(dim=1)
+    t = pairwise_row_sum(m64) / mat.shape[1]
     for step in range(iters + 1):
         if step:
             t = 0.5 * (b0 + b1)
@@ -96,10 +144,6 @@ class _OneBit(Quantizer):
         return {"codes": (torch.uint8, packed_nbytes(numel, 1)),
                 "levels": (torch.float32, num_buckets(numel, self.bucket) * self.per_bucket)}
 
-    #: whether the bit is a deterministic threshold test (``_threshold_levels``), so the fused
-    #: compare-and-pack kernel can make it
-    thresholded = True
-
     def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-bucket float64 thresholds ``(k,)`` (bit = ``float64(g) >= t``) and values ``(k, per_bucket)``."""
         raise NotImplementedError
@@ -109,12 +153,15 @@ class _OneBit(Quantizer):
         t, lv = self._threshold_levels(mat)
         return mat.to(torch.float64) >= t.unsqueeze(1), lv
 
+    def _fast_encode(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The numba path (:mod:`gradq.kernels.binary`): ``(packed bits, float32 levels)``, the same
+        bytes as the torch code below."""
+        raise NotImplementedError
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        if self.thresholded and fast_cpu(v) and v.numel():  # values from torch, fused compare + pack
-            parts = [self._threshold_levels(mat) for mat in bucket_chunks(v, self.bucket)]
-            t = torch.cat([p[0] for p in parts]).to(torch.float64)
-            vals = torch.cat([p[1].to(torch.float32).reshape(-1) for p in parts])
-            return {"codes": kernels.threshold_encode(v, t, self.bucket), "levels": vals}
+        if fast_cpu(v) and v.numel():
+            codes, vals = self._fast_encode(v, ctx)
+            return {"codes": codes, "levels": vals}
         bits, vals = [], []
         for mat in bucket_chunks(v, self.bucket):
             b, lv = self._chunk(mat, ctx)
@@ -144,10 +191,11 @@ class BinGradPB(_OneBit):
     Wire: 1 bit per coordinate + 1 float32 per bucket.
     """
 
-    thresholded = False  # stochastic bits inside [-b, b]
-
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
+
+    def _fast_encode(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return binary_kernels.bingrad_pb_encode(v, self.bucket, ctx.rng)
 
     def _chunk(self, mat: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
         b = bingrad_pb_threshold(mat).unsqueeze(1)
@@ -172,6 +220,9 @@ class BinGradB(_OneBit):
     def __init__(self, bucket: Optional[int] = 512, iters: int = 0) -> None:
         super().__init__(bucket=bucket, iters=iters)
 
+    def _fast_encode(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return binary_kernels.bingrad_b_encode(v, self.bucket, self.iters)
+
     def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, b0, b1 = bingrad_b_levels(mat, self.iters)
         return t, torch.stack([b0, b1], dim=1)
@@ -187,8 +238,11 @@ class SignSGD(_OneBit):
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
 
+    def _fast_encode(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return binary_kernels.sign_scale_encode(v, self.bucket)
+
     def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = mat.to(torch.float64).abs().mean(dim=1, keepdim=True)
+        scale = (pairwise_row_sum(mat.to(torch.float64).abs()) / mat.shape[1]).unsqueeze(1)
         return scale.new_zeros(mat.shape[0]), scale  # bit = g >= 0
 
 
@@ -205,6 +259,9 @@ class OneBit(_OneBit):
 
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)
+
+    def _fast_encode(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return binary_kernels.onebit_encode(v, self.bucket)
 
     def _threshold_levels(self, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m64 = mat.to(torch.float64)
