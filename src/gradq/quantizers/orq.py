@@ -31,6 +31,10 @@ Both are unbiased. A constant bucket gets ``L`` equal levels and decodes exactly
 Wire: ``ceil(n·w/8)`` bytes of packed level indices, ``w = ceil(log2 L)`` bits (3 levels → 2 bits,
 5 → 3, 9 → 4, 17 → 5), then ``L`` float32 levels per bucket (``4·L·⌈n/bucket⌉`` bytes), plus the
 payload header. The last partial bucket has its own min, max and levels.
+
+On CPU tensors (when :func:`gradq.kernels.available`) the encode runs in numba
+(:mod:`gradq.kernels.levels`: sort, levels, rounding and packing per bucket) with the same bytes as
+the torch code here, which stays the reference and the path for other devices.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from ..random import RandomStream
 from ..spec import ChoiceParam, IntParam, register
 from .base import EncodeContext, Quantizer
 from .. import kernels
+from ..kernels import levels as level_kernels
 from ._common import bucket_chunks, code_width, fast_cpu, num_buckets
 
 __all__ = ["ORQ", "Linear", "orq_levels", "linear_levels", "round_to_levels", "bucket_index"]
@@ -147,15 +152,18 @@ class _LevelQuantizer(Quantizer):
     def _levels(self, mat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _fast_encode(self, v: torch.Tensor, rng: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed indices, (nb, L) levels)`` from the numba kernels (same bytes as the torch path)."""
+        raise NotImplementedError
+
     def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         return {"codes": (torch.uint8, packed_nbytes(numel, self.width)),
                 "levels": (torch.float32, num_buckets(numel, self.bucket) * self.levels)}
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        if fast_cpu(v) and v.numel():  # levels from torch, then fused rounding + packing
-            lv = torch.cat([self._levels(mat) for mat in bucket_chunks(v, self.bucket)])
-            return {"codes": kernels.levels_encode(v, lv, self.bucket, self.width, ctx.rng),
-                    "levels": lv.reshape(-1)}
+        if fast_cpu(v) and v.numel():  # sort, levels, rounding and packing per bucket in numba
+            codes, lv = self._fast_encode(v, ctx.rng)
+            return {"codes": codes, "levels": lv.reshape(-1)}
         codes, levels = [], []
         for mat in bucket_chunks(v, self.bucket):
             lv = self._levels(mat)
@@ -189,6 +197,9 @@ class ORQ(_LevelQuantizer):
     def _levels(self, mat: torch.Tensor) -> torch.Tensor:
         return orq_levels(mat, self.levels)
 
+    def _fast_encode(self, v: torch.Tensor, rng: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
+        return level_kernels.orq_encode(v, self.levels, self.bucket, self.width, rng)
+
 
 @register("linear")
 class Linear(_LevelQuantizer):
@@ -200,3 +211,6 @@ class Linear(_LevelQuantizer):
 
     def _levels(self, mat: torch.Tensor) -> torch.Tensor:
         return linear_levels(mat, self.levels)
+
+    def _fast_encode(self, v: torch.Tensor, rng: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
+        return level_kernels.linear_encode(v, self.levels, self.bucket, self.width, rng)

@@ -1,0 +1,327 @@
+"""gradq.kernels.levels (numba ORQ-L / Linear-L): bit-exact agreement with the plain-torch references
+``orq_levels`` / ``linear_levels`` (per bucket chunk) followed by ``round_to_levels`` and ``pack_bits``.
+
+Every comparison is on raw bits (levels viewed as int32, packed bytes with ``torch.equal``): the sign
+of a zero level, denormal levels and midpoints must come out exactly as torch computes them. The data
+mixes magnitudes over the whole float32 range, ties, constant stretches and zeros of both signs; one
+test builds inputs on which torch's sort (libstdc++ introsort) falls back to heapsort. Skipped as a
+whole when numba is not installed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import numba  # noqa: E402
+
+import gradq  # noqa: E402
+from gradq import kernels  # noqa: E402
+from gradq.codecs.bitpack import pack_bits  # noqa: E402
+from gradq.kernels import levels as KL  # noqa: E402
+from gradq.quantizers._common import bucket_chunks  # noqa: E402
+from gradq.quantizers.orq import linear_levels, orq_levels, round_to_levels  # noqa: E402
+from gradq.random import RandomStream  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+
+# (n, data kind): tiny, around a bucket of 16 and of 512, and several buckets with a tail
+CASES = [(1, 0), (7, 1), (16, 0), (17, 1), (511, 0), (513, 1), (3001, 0)]
+# 2500: rows sorted by radix (> 2048) in the fused path; 9000 > 8192: the two-pass path (levels one
+# bucket per task, then kernels.levels_encode)
+BUCKETS = [None, 1, 7, 100, 512, 2500, 9000]
+REFS = {"orq": orq_levels, "linear": linear_levels}
+KERNEL_LEVELS = {"orq": KL.orq_levels, "linear": KL.linear_levels}
+KERNEL_ENCODE = {"orq": KL.orq_encode, "linear": KL.linear_encode}
+
+
+def data(n: int, seed: int, kind: int = 0) -> torch.Tensor:
+    """kind 0: magnitudes e^(3·N(0,1)) with ±0, ±huge, denormals and ±1 every 13th element and a
+    constant stretch; 1: few distinct values (heavy ties, both zeros); 2: plain Gaussian."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == 2:
+        return torch.randn(n, generator=g)
+    if kind == 1:
+        choices = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 2.0, 1e-45, -3e-39])
+        return choices[torch.randint(0, choices.numel(), (n,), generator=g)]
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    special = torch.tensor([0.0, -0.0, 3.0e38, -1.5e38, 1e-30, -2e-42, 5e-45, 1.0, -1.0, 0.5])
+    idx = torch.arange(0, n, 13)
+    x[idx] = special[torch.arange(idx.numel()) % special.numel()]
+    if n > 40:
+        x[n // 3: n // 3 + n // 5] = 0.25
+    return x
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def ref_levels(kind: str, x: torch.Tensor, bucket, L: int) -> torch.Tensor:
+    rows = [REFS[kind](m, L) for m in bucket_chunks(x, bucket)]
+    return torch.cat(rows) if rows else torch.zeros(0, L)
+
+
+def ref_encode(kind: str, x: torch.Tensor, bucket, L: int, width: int, rng: RandomStream):
+    chunks = list(bucket_chunks(x, bucket))
+    lvs = [REFS[kind](m, L) for m in chunks]
+    codes = [round_to_levels(m, lv, rng).reshape(-1) for m, lv in zip(chunks, lvs)]
+    empty = torch.zeros(0, dtype=torch.int64)
+    return pack_bits(torch.cat(codes) if codes else empty, width), (torch.cat(lvs) if lvs else torch.zeros(0, L))
+
+
+# -- levels -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,L", [("orq", 2), ("orq", 3), ("orq", 5), ("orq", 17),
+                                    ("linear", 3), ("linear", 17), ("linear", 129)])
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_levels_match_reference(kind, L, bucket):
+    for n, variant in CASES:
+        x = data(n, 1000 * L + n, variant)
+        got = KERNEL_LEVELS[kind](x, L, bucket)
+        assert torch.equal(bits(got), bits(ref_levels(kind, x, bucket, L))), (n, variant)
+
+
+def test_matrix_rows_and_empty():
+    """A 2-D input is a matrix of buckets (its rows); an empty vector has no buckets."""
+    x = data(40 * 33, 5).view(40, 33)
+    for kind in ("orq", "linear"):
+        assert torch.equal(bits(KERNEL_LEVELS[kind](x, 5)), bits(REFS[kind](x, 5)))
+        assert KERNEL_LEVELS[kind](torch.zeros(0), 5, 8).shape == (0, 5)
+    packed, lv = KL.orq_encode(torch.zeros(0), 5, 8, 3, 0)
+    assert packed.numel() == 0 and lv.shape == (0, 5)
+
+
+def test_degenerate_buckets():
+    """Constant buckets (every level equal), two-valued, all-denormal, all-zero buckets of either
+    sign and an equal-magnitude pair around zero, where ORQ falls back to (clamped) midpoints."""
+    rows = [
+        [0.7] * 16, [-0.0] * 16, [0.0] * 16, [1e-45] * 16, [-1e-45, 1e-45] * 8, [3e-45, 5e-45] * 8,
+        [-2.0] + [2.0] * 15, [5.0, -5.0] * 8, [-0.0, 0.0] * 8, [1.4e-45, 0.0, -0.0, 2.8e-45] * 4,
+        [3.4e38, -3.4e38] * 8, [1.0] * 15 + [1.0000001],
+    ]
+    x = torch.tensor(rows, dtype=torch.float32)
+    for kind, Ls in (("orq", (2, 3, 5, 9, 17)), ("linear", (3, 5, 9, 17))):
+        for L in Ls:
+            assert torch.equal(bits(KERNEL_LEVELS[kind](x, L)), bits(REFS[kind](x, L))), (kind, L)
+            width = max(1, (L - 1).bit_length())
+            want, _ = ref_encode(kind, x.reshape(-1), 16, L, width, RandomStream(L))
+            assert torch.equal(KERNEL_ENCODE[kind](x.reshape(-1), L, 16, width, RandomStream(L))[0], want)
+
+
+# -- signed zeros: torch.sort is libstdc++'s unstable introsort -------------------------------------
+class _Key:
+    """A value compared with ``<`` only, the way std::sort sees it."""
+
+    __slots__ = ("v", "cmp")
+
+    def __init__(self, v, cmp=None):
+        self.v, self.cmp = v, cmp
+
+    def __lt__(self, other):
+        return self.cmp(self.v, other.v) if self.cmp else self.v < other.v
+
+
+def _introsort(a: list, on_heap=lambda: None) -> None:
+    """libstdc++ ``std::sort`` in Python (median-of-three, unguarded partition, heapsort at depth
+    2·⌊log2 n⌋, insertion sort with threshold 16): used to craft inputs, independently of the kernel."""
+    def heap_adjust(first, hole, n, value):
+        top, child = hole, hole
+        while child < (n - 1) // 2:
+            child = 2 * (child + 1)
+            if a[first + child] < a[first + child - 1]:
+                child -= 1
+            a[first + hole] = a[first + child]
+            hole = child
+        if n % 2 == 0 and child == (n - 2) // 2:
+            child = 2 * (child + 1)
+            a[first + hole] = a[first + child - 1]
+            hole = child - 1
+        parent = (hole - 1) // 2
+        while hole > top and a[first + parent] < value:
+            a[first + hole] = a[first + parent]
+            hole, parent = parent, (parent - 1) // 2
+        a[first + hole] = value
+
+    def heapsort(first, last):
+        on_heap()
+        n = last - first
+        for parent in range((n - 2) // 2, -1, -1):
+            heap_adjust(first, parent, n, a[first + parent])
+        while last - first > 1:
+            last -= 1
+            v, a[last] = a[last], a[first]
+            heap_adjust(first, 0, last - first, v)
+
+    def loop(first, last, depth):
+        while last - first > 16:
+            if depth == 0:
+                heapsort(first, last)
+                return
+            depth -= 1
+            mid, x, z = first + (last - first) // 2, first + 1, last - 1
+            if a[x] < a[mid]:
+                m = mid if a[mid] < a[z] else (z if a[x] < a[z] else x)
+            else:
+                m = x if a[x] < a[z] else (z if a[mid] < a[z] else mid)
+            a[first], a[m] = a[m], a[first]
+            lo, hi = first + 1, last
+            while True:
+                while a[lo] < a[first]:
+                    lo += 1
+                hi -= 1
+                while a[first] < a[hi]:
+                    hi -= 1
+                if lo >= hi:
+                    break
+                a[lo], a[hi] = a[hi], a[lo]
+                lo += 1
+            loop(lo, last, depth)
+            last = lo
+
+    n = len(a)
+    loop(0, n, 2 * (n.bit_length() - 1))
+    for i in range(1, n):
+        v, k = a[i], i - 1
+        while k >= 0 and v < a[k]:
+            a[k + 1] = a[k]
+            k -= 1
+        a[k + 1] = v
+
+
+def _heapsort_input(n: int, seed: int) -> list[float]:
+    """McIlroy's adversary against :func:`_introsort` (values frozen lazily so that every pivot is
+    bad), then a window of consecutive ranks turned into zeros of random signs."""
+    gas = n
+    val = [gas] * n
+    state = {"solid": 0, "cand": -1}
+
+    def cmp(i, j):
+        if val[i] == gas and val[j] == gas:
+            z = i if i == state["cand"] else j
+            val[z] = state["solid"]
+            state["solid"] += 1
+        if val[i] == gas:
+            state["cand"] = i
+        elif val[j] == gas:
+            state["cand"] = j
+        return val[i] < val[j]
+
+    _introsort([_Key(i, cmp) for i in range(n)])
+    rnd = random.Random(seed)
+    lo = rnd.randrange(n // 2)
+    hi = lo + n // 8
+    return [(rnd.choice([0.0, -0.0]) if lo <= v < hi else (v - lo) * 0.5 if v < lo else (v - hi + 1) * 0.25)
+            for v in val]
+
+
+@pytest.mark.parametrize("n", [100, 512, 1500])
+def test_signed_zero_order_on_heapsort_inputs(n):
+    """Inputs on which torch's sort runs its heapsort fallback (seen on the Python replica, whose
+    output equals torch's on them too): the kernels' levels still agree bit for bit."""
+    checked = 0
+    for seed in range(12):
+        vals = _heapsort_input(n, seed)
+        hit = []
+        keys = [_Key(v) for v in vals]
+        _introsort(keys, lambda: hit.append(1))
+        if not hit:   # the zeros changed the path enough to avoid the fallback
+            continue
+        x = torch.tensor(vals, dtype=torch.float32)
+        assert torch.equal(bits(torch.tensor([k.v for k in keys])), bits(x.view(1, -1).sort(dim=1).values[0]))
+        for kind, L in (("linear", 129), ("orq", 17), ("orq", 5)):
+            assert torch.equal(bits(KERNEL_LEVELS[kind](x, L, None)), bits(ref_levels(kind, x, None, L)))
+        checked += 1
+        if checked == 2:
+            break
+    assert checked == 2
+
+
+def test_signed_zero_order_random_buckets():
+    """Buckets full of ``+0`` and ``−0`` (plus a few values): Linear with 129 levels reads many
+    positions of the zero run, so a zero of the wrong sign anywhere would show."""
+    g = torch.Generator().manual_seed(3)
+    for d in (17, 40, 512, 2500):
+        x = torch.where(torch.rand(20 * d, generator=g) < 0.5, 0.0, -0.0)
+        x[torch.rand(20 * d, generator=g) < 0.1] = torch.randn(1, generator=g).item()
+        for kind, L in (("linear", 129), ("orq", 9)):
+            assert torch.equal(bits(KERNEL_LEVELS[kind](x, L, d)), bits(ref_levels(kind, x, d, L))), d
+
+
+# -- fused encode -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,L", [("orq", 3), ("orq", 5), ("orq", 9), ("orq", 17), ("linear", 5), ("linear", 17)])
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_encode_matches_reference(kind, L, bucket):
+    """Same packed bytes, level bits and stream advance as the torch path; the stream may start just
+    below 2**32 (the high counter word then changes inside the vector)."""
+    width = (L - 1).bit_length()
+    for n, variant, start in ((1, 0, 0), (17, 1, 5), (513, 2, 2**32 - 77), (10007, 0, 2**32 - 3000), (4099, 1, 0)):
+        x = data(n, 7 * n + L, variant)
+        r_ref, r_fast = RandomStream(n).child(L), RandomStream(n).child(L)
+        r_ref.offset = r_fast.offset = start
+        want, want_lv = ref_encode(kind, x, bucket, L, width, r_ref)
+        got, got_lv = KERNEL_ENCODE[kind](x, L, bucket, width, r_fast)
+        assert torch.equal(got, want), (n, variant)
+        assert torch.equal(bits(got_lv), bits(want_lv)), (n, variant)
+        assert r_fast.offset == r_ref.offset == start + n
+
+
+@pytest.mark.parametrize("spec", ["orq", "orq:levels=3,bucket=100", "orq:levels=17,bucket=none", "orq:levels=9,bucket=9000",
+                                  "linear", "linear:levels=17,bucket=7", "linear:levels=3,bucket=none"])
+def test_quantizer_fast_path_gives_reference_bytes(spec):
+    x = data(20_011, 11)
+    fast = gradq.build(spec).encode(x, seed=4)
+    try:
+        kernels.set_enabled(False)
+        ref = gradq.build(spec).encode(x, seed=4)
+        ref_out = gradq.build(spec).decode(ref)
+    finally:
+        kernels.set_enabled(True)
+    assert fast.same_bytes(ref)
+    assert torch.equal(bits(gradq.build(spec).decode(fast)), bits(ref_out))
+
+
+def test_thread_count_does_not_change_bytes():
+    x = data(300_007, 9)
+    threads = numba.get_num_threads()
+
+    def run():
+        return [KL.orq_encode(x, 5, 512, 3, 5), KL.linear_encode(x, 9, 1000, 4, 5), KL.orq_levels(x, 17, 20_000)]
+
+    try:
+        numba.set_num_threads(1)
+        one = run()
+        numba.set_num_threads(max(2, threads) if numba.config.NUMBA_NUM_THREADS >= 2 else 1)
+        many = run()
+    finally:
+        numba.set_num_threads(threads)
+    for a, b in zip(one, many):
+        for p, q in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(p, q)
+
+
+# -- argument checks --------------------------------------------------------------------------------
+def test_argument_errors():
+    x = data(100, 1)
+    with pytest.raises(ValueError):
+        KL.orq_levels(x, 4, 10)                   # not 2^k + 1
+    with pytest.raises(ValueError):
+        KL.orq_levels(x, 33, 10)                  # ORQ kernel: L <= 17
+    with pytest.raises(ValueError):
+        KL.linear_levels(x, 513, 10)
+    with pytest.raises(ValueError):
+        KL.orq_encode(x, 9, 10, 3, 0)             # 9 indices need 4 bits
+    with pytest.raises(TypeError):
+        KL.orq_levels(x.double(), 5, 10)
+    with pytest.raises(ValueError):
+        KL.orq_levels(x, 5, 0)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[57] = bad
+        with pytest.raises(ValueError):
+            KL.orq_levels(y, 5, 10)
+        with pytest.raises(ValueError):
+            KL.linear_encode(y, 5, 10, 3, 0)
