@@ -80,6 +80,31 @@ def nan_on(model, name: str):
     return p.register_hook(lambda g: torch.full_like(g, float("nan")))
 
 
+def resume_run(spec: str, kw: dict, rank: int, split: int, total: int):
+    """An uninterrupted run of ``total`` momentum-SGD steps through the hook, and the same run
+    checkpointed after ``split`` steps (model, optimizer and hook state through ``torch.save``) and
+    resumed in fresh objects. Returns (uninterrupted params, resumed params, the checkpoint, the saved
+    hook state, the resumed hook state)."""
+    def fresh():
+        m = ddp()
+        return m, gradq.register(m, spec, **kw), torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    a, _, opt_a = fresh()
+    train(a, opt_a, rank, range(total))
+    b, st_b, opt_b = fresh()
+    train(b, opt_b, rank, range(split))
+    buf = io.BytesIO()
+    torch.save({"model": b.module.state_dict(), "opt": opt_b.state_dict(), "hook": st_b.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)
+    c, st_c, opt_c = fresh()
+    c.module.load_state_dict(ck["model"])
+    st_c.load_state_dict(ck["hook"])
+    opt_c.load_state_dict(ck["opt"])
+    train(c, opt_c, rank, range(split, total))
+    return params(a), params(c), ck, st_b, st_c
+
+
 def _child(rank: int, world: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -133,34 +158,16 @@ def _child(rank: int, world: int, tmp: str) -> None:
     # 4. checkpoint -> resume is exact (momentum SGD; two specs with error-feedback residuals; warm-up)
     for spec in ("topk:ratio=0.1,ef=1", "maxnorm:bits=2,ef=1"):
         kw = dict(KW, seed=7, warmup_steps=1)
-        a = ddp()
-        gradq.register(a, spec, **kw)
-        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-        train(a, opt_a, rank, range(4))
-        b = ddp()
-        st_b = gradq.register(b, spec, **kw)
-        opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
-        train(b, opt_b, rank, range(2))
-        buf = io.BytesIO()
-        torch.save({"model": b.module.state_dict(), "opt": opt_b.state_dict(), "hook": st_b.state_dict()}, buf)
-        buf.seek(0)
-        ck = torch.load(buf)
+        done, resumed, ck, st_b, st_c = resume_run(spec, kw, rank, 2, 4)
         res[f"residual_keys|{spec}"] = sorted(ck["hook"]["residuals"])
-        c = ddp()
-        c.module.load_state_dict(ck["model"])
-        st_c = gradq.register(c, spec, **kw)
-        st_c.load_state_dict(ck["hook"])
-        opt_c = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
-        opt_c.load_state_dict(ck["opt"])
-        train(c, opt_c, rank, range(2, 4))
-        res[f"resume|{spec}"] = torch.equal(params(a), params(c))
+        res[f"resume|{spec}"] = torch.equal(done, resumed)
         d = ddp()  # control: same model/optimizer checkpoint, hook state NOT restored
         d.module.load_state_dict(ck["model"])
         gradq.register(d, spec, **kw)
         opt_d = torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)
         opt_d.load_state_dict(ck["opt"])
         train(d, opt_d, rank, range(2, 4))
-        res[f"control|{spec}"] = torch.equal(params(a), params(d))
+        res[f"control|{spec}"] = torch.equal(done, params(d))
         res[f"resume_step|{spec}"] = st_c.step
         try:
             gradq.register(ddp(), "topk:ratio=0.2,ef=1", **kw).load_state_dict(ck["hook"])

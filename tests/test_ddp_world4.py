@@ -7,7 +7,6 @@ pipelined segments of the scatter protocol inside the hook, and checkpoint → r
 
 from __future__ import annotations
 
-import io
 import os
 
 import pytest
@@ -18,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradq
 from gradq.comm import scatter as scatter_mod
-from test_ddp import KW, QUANTIZED, backward, grads, net, params, train
+from test_ddp import KW, QUANTIZED, backward, grads, net, params, resume_run, train
 
 WORLD = 4
 SPECS = ["qsgd:bits=2,bucket=128", "terngrad", "maxnorm:bits=4", "orq:levels=5", "bingrad-b",
@@ -81,26 +80,8 @@ def _child(rank: int, world: int, tmp: str) -> None:
         scatter_mod.SEGMENT_NUMEL = old
 
     # checkpoint -> resume at 4 ranks (error feedback, momentum)
-    spec, kw = "qsgd:bits=2,ef=1", dict(KW, seed=3)
-    a = ddp()
-    gradq.register(a, spec, **kw)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    train(a, opt_a, rank, range(3))
-    b = ddp()
-    st_b = gradq.register(b, spec, **kw)
-    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
-    train(b, opt_b, rank, range(1))
-    buf = io.BytesIO()
-    torch.save({"model": b.module.state_dict(), "opt": opt_b.state_dict(), "hook": st_b.state_dict()}, buf)
-    buf.seek(0)
-    ck = torch.load(buf)
-    c = ddp()
-    c.module.load_state_dict(ck["model"])
-    gradq.register(c, spec, **kw).load_state_dict(ck["hook"])
-    opt_c = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
-    opt_c.load_state_dict(ck["opt"])
-    train(c, opt_c, rank, range(1, 3))
-    res["resume"] = torch.equal(params(a), params(c))
+    done, resumed, ck, _, _ = resume_run("qsgd:bits=2,ef=1", dict(KW, seed=3), rank, 1, 3)
+    res["resume"] = torch.equal(done, resumed)
     res["residuals"] = len(ck["hook"]["residuals"])
 
     # a mismatch on one rank of four (warm-up steps) fails clearly on all four
