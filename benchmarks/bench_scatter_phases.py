@@ -12,9 +12,16 @@ waiting for exchanges the pipeline could not hide) / ``decode_s`` figures.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import time
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -34,13 +41,20 @@ def worker(args: argparse.Namespace) -> None:
     for it in range(args.repeats + 1):
         info: dict = {}
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         average(x, q, "scatter", seed=it, name="g", rank=rank, out=out, info=info)
-        rows.append((time.perf_counter() - t0, info["encode_s"], info["comm_s"], info["decode_s"]))
+        wall, cpu = time.perf_counter() - t0, torch.tensor([_cpu_seconds() - c0], dtype=torch.float64)
+        dist.all_reduce(cpu)  # CPU seconds of all ranks (every thread, user + system)
+        rows.append((wall, info["encode_s"], info["comm_s"], info["decode_s"], float(cpu)))
     if rank == 0:
-        print(f"{args.spec}, {dist.get_world_size()} ranks, {args.mb:g} MB, {args.network or 'loopback'}")
-        for k, name in enumerate(["call", "encode", "comm (wait)", "decode"]):
-            print(f"  {name:12s} {1e3 * statistics.median(r[k] for r in rows[1:]):7.1f} ms")
+        world = dist.get_world_size()
+        print(f"{args.spec}, {world} ranks, {args.mb:g} MB, {args.network or 'loopback'}, "
+              f"{os.cpu_count()} cores")
+        for k, name in enumerate(["call", "encode", "comm (wait)", "decode", "CPU, all ranks"]):
+            print(f"  {name:14s} {1e3 * statistics.median(r[k] for r in rows[1:]):7.1f} ms")
+        cpu = statistics.median(r[4] for r in rows[1:])
+        print(f"  the cores bound the call at >= {1e3 * cpu / min(world, os.cpu_count() or 1):.1f} ms "
+              f"(CPU of all ranks / cores in use)")
     dist.destroy_process_group()
 
 

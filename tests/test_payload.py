@@ -190,3 +190,33 @@ def test_cuda_round_trip():
     assert buf.is_cuda and torch.equal(buf.cpu(), _payload().to_bytes())
     q = _parse(buf)
     assert q.device.type == "cuda" and torch.equal(q["scales"].cpu(), _payload()["scales"])
+
+
+def test_to_bytes_into_a_slice_of_a_buffer():
+    p = _payload()
+    buf = torch.full((p.nbytes + 10,), 7, dtype=torch.uint8)
+    got = p.to_bytes(out=buf[4:4 + p.nbytes])
+    assert torch.equal(got, p.to_bytes())
+    assert torch.equal(buf[:4], torch.full((4,), 7, dtype=torch.uint8))  # nothing written outside
+    assert torch.equal(buf[4 + p.nbytes:], torch.full((6,), 7, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8 tensor of"):
+        p.to_bytes(out=torch.empty(p.nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8 tensor of"):
+        p.to_bytes(out=torch.empty(p.nbytes, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+def test_parse_without_copy_views_aligned_fields_and_copies_the_rest(shift):
+    p = _payload()
+    buf = torch.cat([torch.zeros(shift, dtype=torch.uint8), p.to_bytes()])[shift:]
+    q = Payload.from_bytes(buf, names=NAMES, spec=SPEC, shape=SHAPE, dtype=torch.float32, copy=False)
+    assert q.same_bytes(p)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert lo <= q["codes"].data_ptr() < hi  # uint8: always a view
+    scales_view = lo <= q["scales"].data_ptr() < hi
+    at = buf.data_ptr() + HEADER_BYTES + 2 * FIELD_HEADER_BYTES + 11  # after the 11 code bytes
+    assert scales_view == (at % 4 == 0)  # float32 scales: a view only where 4-byte aligned
+    buf[-1] ^= 0xFF  # a view follows its buffer; a copy does not
+    assert torch.equal(q["scales"], p["scales"]) != scales_view
+    c = Payload.from_bytes(buf, names=NAMES, spec=SPEC, shape=SHAPE, dtype=torch.float32)
+    assert c["codes"].data_ptr() != q["codes"].data_ptr()  # the default copies

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -116,8 +116,11 @@ class Payload:
                        {k: v.to(device) for k, v in self.fields.items()})
 
     # -- serialization -----------------------------------------------------------------------------
-    def to_bytes(self) -> torch.Tensor:
-        """Serialize to one flat ``uint8`` tensor (on the payload's device) of exactly ``nbytes``."""
+    def to_bytes(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Serialize to one flat ``uint8`` tensor (on the payload's device) of exactly ``nbytes``.
+
+        ``out``: a 1-D uint8 tensor of that many bytes to write into (e.g. this payload's slice of a
+        send buffer; saves a second copy), returned."""
         if len(self.fields) > 255:
             raise PayloadError("a payload holds at most 255 fields")
         head = bytearray(MAGIC)
@@ -132,7 +135,13 @@ class Payload:
         parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev)]
         for t in self.fields.values():
             parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        return torch.cat(parts)
+        if out is None:
+            return torch.cat(parts)
+        total = sum(int(t.numel()) for t in parts)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total:
+            raise ValueError(f"out= must be a 1-D uint8 tensor of {total} bytes, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        return torch.cat(parts, out=out)
 
     @classmethod
     def from_bytes(
@@ -143,8 +152,13 @@ class Payload:
         spec: str,
         shape: Sequence[int],
         dtype: torch.dtype,
+        copy: bool = True,
     ) -> "Payload":
         """Parse :meth:`to_bytes` output. ``names`` are the field names in wire order.
+
+        ``copy=False`` makes each field a view of ``buf`` where its alignment allows (a field of a
+        wider dtype at a misaligned offset is still copied): no copy, but the payload then changes
+        if ``buf`` does — for buffers the caller owns, such as a receive buffer.
 
         Raises :class:`gradq.PayloadError` on a wrong magic, version, spec checksum, field count,
         element count or any length mismatch; never reads outside ``buf``.
@@ -189,7 +203,9 @@ class Payload:
             size = count * torch.empty((), dtype=dt).element_size()
             if pos + size > total:
                 raise PayloadError(f"payload truncated inside field {name!r}")
-            raw = buf[pos: pos + size].clone()
+            raw = buf[pos: pos + size]
+            if copy or (buf.data_ptr() + pos) % torch.empty((), dtype=dt).element_size():
+                raw = raw.clone()
             fields[name] = raw.view(dt) if size else torch.empty(0, dtype=dt, device=buf.device)
             pos += size
         if pos != total:

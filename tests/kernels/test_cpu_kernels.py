@@ -191,6 +191,68 @@ def test_terngrad_corrupt_payloads_raise():
         K.uniform_decode_trits(trits[:-1], scales, None, 20)
 
 
+# -- mean of several payloads (the reducing side of scatter/all-gather) ------------------------------
+def _loop_mean(decodes):
+    acc = decodes[0].clone()
+    for d in decodes[1:]:
+        acc += d
+    return acc.div_(len(decodes))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "separate"])
+@pytest.mark.parametrize("s,width", [(1, 2), (3, 3), (7, 4), (127, 8), ("trit", 0)])
+@pytest.mark.parametrize("bucket", [None, 7, 512])
+@pytest.mark.parametrize("n", [1, 513, 70_001])
+def test_uniform_decode_mean_is_the_loop(n, bucket, s, width, shared):
+    trit = s == "trit"
+    lv = 1 if trit else s
+    packed, scales, decodes = [], [], []
+    for j in range(4):  # scales of different sizes per payload, as every worker has its own
+        x = data(n, 300 + j) / (j + 1)
+        sc = bucket_norms(bucket_view(x, bucket), "max")
+        p = ref_uniform(x, sc, lv, bucket, width, RandomStream(j), trit=trit)
+        packed.append(p)
+        scales.append(sc)
+        decodes.append(K.uniform_decode_trits(p, sc, bucket, n) if trit else K.uniform_decode(p, sc, lv, bucket, width, n))
+    if shared:  # views into one receive buffer, each behind a 5-byte header (the zero-copy path)
+        buf = torch.cat([torch.cat([torch.zeros(5, dtype=torch.uint8), p]) for p in packed])
+        step = packed[0].numel() + 5
+        packed = [buf[j * step + 5:(j + 1) * step] for j in range(4)]
+    want = _loop_mean(decodes)
+    if trit:
+        got = K.uniform_decode_trits_mean(packed, scales, bucket, n)
+    else:
+        got = K.uniform_decode_mean(packed, scales, lv, bucket, width, n)
+    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # the same signs of zero too
+    one = K.uniform_decode_trits_mean(packed[:1], scales[:1], bucket, n) if trit else \
+        K.uniform_decode_mean(packed[:1], scales[:1], lv, bucket, width, n)
+    assert torch.equal(one, decodes[0])
+
+
+def test_uniform_decode_mean_errors():
+    x = data(20)
+    sc = K.maxabs_scales(x, None)
+    two = K.uniform_encode(x, sc, 1, None, 2, 0)
+    bad = two.clone()
+    bad[0] |= 3
+    with pytest.raises(PayloadError, match="fields above 2"):  # a corrupt field in the second payload
+        K.uniform_decode_mean([two, bad], [sc, sc], 1, None, 2, 20, max_field=2)
+    with pytest.raises(PayloadError):  # wrong byte count in one payload
+        K.uniform_decode_mean([two, two[:-1]], [sc, sc], 1, None, 2, 20)
+    with pytest.raises(ValueError, match="scale vectors"):
+        K.uniform_decode_mean([two, two], [sc], 1, None, 2, 20)
+    with pytest.raises(ValueError, match="at least one"):
+        K.uniform_decode_mean([], [], 1, None, 2, 20)
+    with pytest.raises(ValueError, match="one per bucket"):
+        K.uniform_decode_mean([two], [torch.ones(2)], 1, None, 2, 20)
+    trits = K.uniform_encode_trits(x, sc, None, 0)
+    t_bad = trits.clone()
+    t_bad[1] = 243
+    with pytest.raises(PayloadError, match="above 242"):
+        K.uniform_decode_trits_mean([trits, t_bad], [sc, sc], None, 20)
+
+
 # -- ORQ / Linear levels ----------------------------------------------------------------------------
 @pytest.mark.parametrize("L", [3, 5, 9, 17])
 @pytest.mark.parametrize("bucket", BUCKETS)

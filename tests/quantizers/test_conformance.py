@@ -129,6 +129,48 @@ def test_bytes_round_trip(spec):
     assert torch.equal(_fresh(spec).decode(back), q.decode(p))
 
 
+def test_bytes_round_trip_without_copy(spec):
+    """copy=False parses into views of the buffer where aligned; the decode is the same, and a
+    byte-sized field really shares the buffer's memory."""
+    q = _fresh(spec)
+    x = _data((9, 70), seed=3)
+    p = q.encode(x, seed=5)
+    buf = torch.cat([torch.zeros(3, dtype=torch.uint8), p.to_bytes()])[3:]  # an odd start address
+    back = q.payload_from_bytes(buf, x.shape, x.dtype, copy=False)
+    assert torch.equal(q.decode(back), q.decode(p))
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for t in back.fields.values():
+        if t.numel() and t.element_size() == 1:
+            assert lo <= t.data_ptr() < hi
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_mean_is_the_loop(spec, dtype):
+    """decode_mean = ((d0 + d1) + d2) / 3 in the payloads' dtype, bit for bit, for payloads parsed
+    from one receive buffer (the scatter protocol's case) and for separate ones; out= is honoured."""
+    q = _fresh(spec)
+    ps = [q.encode(_data((7, 61), dtype, seed=10 + j), seed=j) for j in range(3)]
+    buf = torch.cat([p.to_bytes() for p in ps])
+    sizes = [p.nbytes for p in ps]
+    parsed = [q.payload_from_bytes(b, (7, 61), dtype, copy=False) for b in torch.split(buf, sizes)]
+    want = q.decode(ps[0]).clone()  # (decode may return a view of the payload, e.g. for none)
+    for p in ps[1:]:
+        want += q.decode(p)
+    want /= 3
+    for group in (parsed, ps):
+        assert torch.equal(q.decode_mean(group), want)
+    out = torch.full((7, 61), 5.0, dtype=dtype)
+    assert q.decode_mean(parsed, out=out) is out
+    assert torch.equal(out, want)
+    assert torch.equal(q.decode_mean(ps[:1]), q.decode(ps[0]))
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        q.decode_mean([])
+    with pytest.raises(ValueError, match="one shape"):
+        q.decode_mean([ps[0], _fresh(spec).encode(_data((61, 7), dtype), seed=0)])
+    with pytest.raises(ValueError, match="out= must have"):
+        q.decode_mean(ps, out=torch.empty(7 * 61, dtype=dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_into_out(spec, dtype):
     """decode(p, out=t) writes the same values into t (and returns it); a wrong shape is refused."""

@@ -147,3 +147,31 @@ def test_bytes_independent_of_thread_count():
     finally:
         torch.set_num_threads(old)
     assert a.same_bytes(b)
+
+
+@pytest.mark.parametrize("norm", ["max", "l2"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_found_in_any_bucket_by_the_scales(norm, bad):
+    """The fixed-width CPU path skips the up-front NaN/Inf screen and reads it off the bucket norms
+    instead: a bad value in any bucket, first or last, is still refused by name."""
+    q = gradq.build(f"qsgd:bits=4,bucket=64,norm={norm}")
+    for pos in (0, 5000, 9999):
+        x = torch.randn(10_000)
+        x[pos] = bad
+        with pytest.raises(gradq.NonFiniteError, match="'fc.weight' holds"):
+            q.encode(x, seed=0, name="fc.weight")
+
+
+def test_overflowing_l2_norm_of_finite_values_is_not_an_error():
+    """Finite values whose squares overflow float32 make an Inf L2 norm; that is not a NaN/Inf input,
+    so the encode goes ahead exactly as with the kernels off."""
+    x = torch.full((256,), 3e30)
+    q = gradq.build("qsgd:bits=4,bucket=64,norm=l2")
+    got = q.encode(x, seed=1)
+    assert not bool(torch.isfinite(got["scales"]).all())
+    gradq.kernels.set_enabled(False)
+    try:
+        want = q.encode(x, seed=1)
+    finally:
+        gradq.kernels.set_enabled(True)
+    assert got.same_bytes(want)

@@ -86,28 +86,26 @@ def _chunks(x: torch.Tensor, world: int) -> tuple[list[torch.Tensor], int]:
 
 
 def _decode_mean(q: Quantizer, bufs: list[torch.Tensor], chunk: int) -> torch.Tensor:
-    """``(d_0 + d_1 + … + d_{M−1}) / M`` of the decoded payloads, summed left to right in float32
-    (as :func:`mean_in_order`), decoding into two reused buffers instead of M fresh tensors."""
-    acc = q.decode(q.payload_from_bytes(bufs[0], (chunk,), torch.float32), out=torch.empty(chunk))
-    tmp = torch.empty(chunk) if len(bufs) > 1 else acc
-    for b in bufs[1:]:
-        acc += q.decode(q.payload_from_bytes(b, (chunk,), torch.float32), out=tmp)
-    return acc.div_(len(bufs))
+    """``(d_0 + d_1 + … + d_{M−1}) / M`` of the received payloads, summed left to right in float32
+    (as :func:`mean_in_order`) by :meth:`Quantizer.decode_mean` — one fused pass where the scheme has
+    a kernel for it."""
+    return q.decode_mean([q.payload_from_bytes(b, (chunk,), torch.float32, copy=False) for b in bufs])
 
 
-def _exchange(send: list[torch.Tensor], fixed: Optional[int], group: Any) -> tuple[torch.Tensor, list[int]]:
-    """Phase 1: ``all_to_all_single`` of the chunk payloads (lengths first when not ``fixed``)."""
-    send_sizes = [int(b.numel()) for b in send]
+def _exchange(send: torch.Tensor, send_sizes: list[int], fixed: Optional[int],
+              group: Any) -> tuple[torch.Tensor, list[int]]:
+    """Phase 1: ``all_to_all_single`` of the chunk payloads, concatenated in ``send`` (lengths
+    first when not ``fixed``)."""
     if fixed is not None:
-        recv_sizes = [fixed] * len(send)
+        recv_sizes = [fixed] * len(send_sizes)
     else:
-        s_in = torch.tensor(send_sizes, dtype=torch.int64, device=send[0].device)
+        s_in = torch.tensor(send_sizes, dtype=torch.int64, device=send.device)
         s_out = torch.empty_like(s_in)
         dist.all_to_all_single(s_out, s_in, group=group)
         recv_sizes = [int(v) for v in s_out.tolist()]
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send[0].device)
-    dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=recv_sizes,
-                           input_split_sizes=send_sizes, group=group)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                           group=group)
     return recv, recv_sizes
 
 
@@ -222,19 +220,24 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
         sd, tg = tags(s)
         pieces, chunk = _chunks(flat[a:b], world)
         chunk_of[s] = chunk
-        bufs = []
+        fixed = q.expected_nbytes(chunk)
         with phase(info, "encode"):
+            payloads = []
             for j in range(world):
                 ss = derive_seed(sd, None, f"chunk{j}") if q.needs_shared_seed else None
-                p = q.encode(pieces[j], seed=derive_seed(sd, rank, f"chunk{j}"), shared_seed=ss,
-                             name=_key(name, f"chunk{j}{tg}"))
-                bufs.append(payload_bytes(p))
-        fixed = q.expected_nbytes(chunk)
-        if fixed is not None and any(int(bb.numel()) != fixed for bb in bufs):
-            raise RuntimeError(f"{q.spec}: chunk payload sizes {[bb.numel() for bb in bufs]} differ "
-                               f"from the promised {fixed}")
-        sent[0] += sum(int(bb.numel()) for bb in bufs) - int(bufs[rank].numel())
-        return submit(lambda: _exchange(bufs, fixed, group))
+                payloads.append(q.encode(pieces[j], seed=derive_seed(sd, rank, f"chunk{j}"), shared_seed=ss,
+                                         name=_key(name, f"chunk{j}{tg}")))
+            send_sizes = [p.nbytes for p in payloads]
+            if fixed is not None and any(sz != fixed for sz in send_sizes):
+                raise RuntimeError(f"{q.spec}: chunk payload sizes {send_sizes} differ from the promised {fixed}")
+            # serialized straight into one send buffer (no second concatenating copy)
+            flat_send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=x.device)
+            pos = 0
+            for p, sz in zip(payloads, send_sizes):
+                p.to_bytes(out=flat_send[pos:pos + sz])
+                pos += sz
+        sent[0] += sum(send_sizes) - send_sizes[rank]
+        return submit(lambda: _exchange(flat_send, send_sizes, fixed, group))
 
     def reduce(s: int, fut: Future) -> Future:  # steps 4-5
         with phase(info, "comm"):  # what is left of the exchange once this thread needs it
@@ -262,7 +265,7 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
             lo, hi = a + j * chunk, min(b, a + (j + 1) * chunk)
             if hi <= lo:
                 continue
-            pl = q2.payload_from_bytes(buf, (chunk,), torch.float32)
+            pl = q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
             if hi - lo == chunk:
                 q2.decode(pl, out=res[lo:hi])
             else:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -54,7 +54,8 @@ from ..errors import PayloadError
 from ..random import RandomStream
 
 __all__ = ["available", "set_enabled", "maxabs_scales", "uniform_encode", "uniform_encode_trits",
-           "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "levels_encode",
+           "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
+           "uniform_decode_trits_mean", "levels_encode",
            "levels_decode", "threshold_encode", "sign_encode", "bit_decode", "population_std",
            "terngrad_stats"]
 
@@ -275,6 +276,58 @@ def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Opt
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TernGrad ``pack=trit`` decode: ``(trit − 1)·scale_b``; a byte above 242 raises PayloadError."""
     return _decode_uniform(packed, scales, 1, bucket, 0, n, out, None)
+
+
+def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """One uint8 array and the offset of each payload's bytes in it: the storage they share (a
+    received buffer holding all of them: no copy) or else their concatenation."""
+    if not packed:
+        raise ValueError("need at least one payload")
+    for t in packed:
+        _payload(t, nbytes, what)
+    st = packed[0].untyped_storage()
+    if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
+        base = torch.empty(0, dtype=torch.uint8).set_(st)
+        return base.numpy(), np.array([t.storage_offset() for t in packed], np.int64)
+    return torch.cat([t.reshape(-1) for t in packed]).numpy(), np.arange(len(packed), dtype=np.int64) * nbytes
+
+
+def _decode_uniform_mean(packed, scales, s, bucket, width, n, out, max_field):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if len(scales) != len(packed):
+        raise ValueError(f"{len(packed)} packed payloads but {len(scales)} scale vectors")
+    nbytes = (n + 4) // 5 if width == 0 else (n * width + 7) // 8
+    data, offs = _rows(packed, nbytes, "trits" if width == 0 else f"{width}-bit codes")
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    for k, sc in enumerate(scales):
+        _scales(sc, nb, f"scales[{k}]")
+    res = _out(out, n, torch.float32)
+    if n:
+        sv = torch.stack([sc.reshape(-1) for sc in scales]).numpy()
+        bad = _cpu().uniform_decode_mean(data, offs, nbytes, sv, s, d, width,
+                                         255 if max_field is None else max_field, _chunk(d), res.numpy())
+        if bad:
+            what = "bytes above 242 (3**5 - 1)" if width == 0 else f"fields above {max_field}"
+            raise PayloadError(f"corrupt codes: {bad} {what}")
+    return res
+
+
+def uniform_decode_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], s: int,
+                        bucket: Optional[int], width: int, n: int, max_field: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean of :func:`uniform_decode` over several payloads (``packed[j]`` with ``scales[j]``),
+    added in list order in float32 and divided by their count — bit for bit the plain loop, in one
+    pass (what the reducing rank of scatter/all-gather does with the M chunks it receives)."""
+    return _decode_uniform_mean(packed, scales, _levels_s(s, None), bucket, _width(width), n, out, max_field)
+
+
+def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                              bucket: Optional[int], n: int,
+                              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`uniform_decode_mean` for TernGrad's trits (five per byte)."""
+    return _decode_uniform_mean(packed, scales, 1, bucket, 0, n, out, None)
 
 
 # -- ORQ / Linear: rounding onto given levels ----------------------------------------------------

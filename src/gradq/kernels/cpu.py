@@ -579,6 +579,54 @@ def uniform_decode(data, scales, s, bucket, width, max_field, chunk, out):
     return bad.sum()
 
 
+@_kernel
+def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field, chunk, out):
+    """The mean of ``M`` payloads' :func:`uniform_decode`: payload ``j``'s fields are
+    ``data[offs[j]:offs[j] + nbytes]`` with scales ``scales[j]``; ``out[i] = (((d_0 + d_1) + d_2) + …) / M``
+    in float32, added in payload order — bit for bit what decoding each and adding left to right
+    gives, in one pass that keeps each chunk of ``out`` in cache. Returns the count of bad fields."""
+    n = out.size
+    m = offs.size
+    nch = (n + chunk - 1) // chunk
+    bad = np.zeros(nch, np.int64)
+    sf = F32(s)
+    mf = F32(m)
+    for c in prange(nch):
+        e0 = c * chunk
+        e1 = min(n, e0 + chunk)
+        tmp = np.empty(e1 - e0, np.uint8)
+        nbad = 0
+        for j in range(m):
+            row = data[offs[j]:offs[j] + nbytes]
+            if width == 0:
+                nbad += _unpack_trits(row[e0 // 5:], tmp)
+            else:
+                _unpack(row[(e0 * width) // 8:], width, tmp)
+            p = e0
+            while p < e1:
+                b = p // bucket
+                q = min((b + 1) * bucket, e1)
+                mult = scales[j, b] / sf
+                ts = tmp[p - e0:q - e0]
+                os = out[p:q]
+                if j == 0:
+                    for i in range(q - p):
+                        f = np.int32(ts[i])
+                        nbad += f > max_field
+                        os[i] = F32(f - s) * mult
+                else:
+                    for i in range(q - p):
+                        f = np.int32(ts[i])
+                        nbad += f > max_field
+                        os[i] = os[i] + F32(f - s) * mult
+                p = q
+        os = out[e0:e1]
+        for i in range(e1 - e0):
+            os[i] = os[i] / mf
+        bad[c] = nbad
+    return bad.sum()
+
+
 # -- rounding onto given levels (ORQ / Linear) ---------------------------------------------------
 @_inline
 def _round_sorted(xr, tr, u, lv, L):

@@ -138,11 +138,16 @@ class Quantizer:
 
     @property
     def spec(self) -> str:
-        """Canonical spec string (every parameter, declaration order)."""
+        """Canonical spec string (every parameter, declaration order); built once (a quantizer's
+        parameters do not change after construction) since every encode and decode compares it."""
+        cached = self.__dict__.get("_spec_text")
+        if cached is not None:
+            return cached
         parts = [f"{k}={v}" for k, v in self._spec_items()]
         if self.default_ef:
             parts.append("ef=0")
-        return self.name + (":" + ",".join(parts) if parts else "")
+        text = self.__dict__["_spec_text"] = self.name + (":" + ",".join(parts) if parts else "")
+        return text
 
     def __str__(self) -> str:
         return self.spec
@@ -177,13 +182,14 @@ class Quantizer:
         return self._shared_stats(v, ctx.shared_seed)
 
     # -- encode / decode ---------------------------------------------------------------------------
-    def _flatten(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+    def _flatten(self, x: torch.Tensor, name: Optional[str], screen: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{self.name}: expected a floating-point tensor "
                             f"(float16, bfloat16, float32, float64), got {x.dtype}")
-        check_finite(x, name)
+        if screen:
+            check_finite(x, name)
         return x.detach().reshape(-1).to(torch.float32)
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
@@ -206,7 +212,8 @@ class Quantizer:
             NonFiniteError: ``x`` holds NaN or Inf.
             TypeError: ``x`` is not a floating-point tensor.
         """
-        v = self._flatten(x, name)
+        late = self._scales_reveal_nonfinite(x)
+        v = self._flatten(x, name, screen=not late)
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             shared_seed = rng.child(0x5EED).seed
@@ -217,7 +224,15 @@ class Quantizer:
         else:
             ctx.shared = self._check_shared(shared, own)
         fields = self._encode(v, ctx)
+        if late and not bool(torch.isfinite(fields["scales"]).all()):
+            check_finite(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
+
+    def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
+        """True if this scheme's encode of ``x`` can run on non-finite data harmlessly and its
+        ``scales`` field (a norm per bucket) is NaN/Inf whenever ``x`` holds NaN/Inf: the up-front
+        screen (one extra pass over ``x``) is then replaced by a look at the scales afterwards."""
+        return False
 
     def _check_shared(self, shared: Mapping[str, torch.Tensor],
                       own: Mapping[str, SharedStat]) -> dict[str, torch.Tensor]:
@@ -239,11 +254,7 @@ class Quantizer:
         ``out``: a tensor of the payload's shape and dtype to decode into (returned). A contiguous
         float32 CPU ``out`` is written directly by the fused kernels, which saves allocating (and
         page-faulting) a fresh output — what a communication hook decoding into its bucket wants."""
-        if not isinstance(payload, Payload):
-            raise TypeError(f"{self.name}: expected a gradq Payload, got {type(payload).__name__}")
-        if payload.spec != self.spec:
-            raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
-        self._check_fields(payload)
+        self._check_payload(payload)
         if out is not None:
             if tuple(out.shape) != tuple(payload.shape) or out.dtype != payload.dtype:
                 raise ValueError(f"{self.name}: out= must have shape {tuple(payload.shape)} and dtype "
@@ -255,8 +266,51 @@ class Quantizer:
         v = self._decode(payload.fields, payload.numel)
         return v.reshape(payload.shape).to(payload.dtype)
 
+    def _check_payload(self, payload: Payload) -> None:
+        if not isinstance(payload, Payload):
+            raise TypeError(f"{self.name}: expected a gradq Payload, got {type(payload).__name__}")
+        if payload.spec != self.spec:
+            raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
+        self._check_fields(payload)
+
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         """Decode straight into the flat float32 ``out`` if this scheme has such a path (return True)."""
+        return False
+
+    def decode_mean(self, payloads: Sequence[Payload], *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The mean of the decodes of several payloads of one shape and dtype (e.g. every worker's
+        payload for one chunk): ``(((d_0 + d_1) + d_2) + …) / M``, added in list order in the payloads'
+        dtype. Schemes with a fused kernel (QSGD, MaxNorm, TernGrad on CPU) compute it in one pass
+        without materialising each decode; the result is bit for bit the same.
+
+        ``out``: optional tensor of the payloads' shape and dtype to write the mean into (returned)."""
+        if isinstance(payloads, Payload) or not payloads:
+            raise ValueError(f"{self.name}: decode_mean needs a non-empty sequence of payloads")
+        first = payloads[0]
+        for p in payloads:
+            self._check_payload(p)
+            if tuple(p.shape) != tuple(first.shape) or p.dtype != first.dtype:
+                raise ValueError(f"{self.name}: decode_mean needs payloads of one shape and dtype, got "
+                                 f"{tuple(first.shape)} {first.dtype} and {tuple(p.shape)} {p.dtype}")
+        if out is not None and (tuple(out.shape) != tuple(first.shape) or out.dtype != first.dtype):
+            raise ValueError(f"{self.name}: out= must have shape {tuple(first.shape)} and dtype "
+                             f"{first.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if out is None:  # never a view of a payload's field (the sum is made in place)
+            out = torch.empty(first.shape, dtype=first.dtype, device=first.device)
+        if first.dtype == torch.float32 and out.is_contiguous() and out.device == first.device:
+            if self._decode_mean_into([p.fields for p in payloads], first.numel, out.view(-1)):
+                return out
+        acc = self.decode(first, out=out)
+        tmp = torch.empty_like(out)  # decoded into: a decode may return a view of the payload's field
+        for p in payloads[1:]:
+            tmp = self.decode(p, out=tmp)
+            acc += tmp
+        return acc.div_(len(payloads))
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        """Write the mean of the decodes of ``fields`` into the flat float32 ``out`` in one fused
+        pass if this scheme has one (return True); the generic loop of :meth:`decode_mean` otherwise."""
         return False
 
     def roundtrip(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -285,12 +339,14 @@ class Quantizer:
         return HEADER_BYTES + FIELD_HEADER_BYTES * len(layout) + data
 
     def payload_from_bytes(self, buf: torch.Tensor | bytes, shape: Sequence[int],
-                           dtype: torch.dtype = torch.float32) -> Payload:
-        """Parse bytes from :meth:`Payload.to_bytes` made by this quantizer."""
+                           dtype: torch.dtype = torch.float32, copy: bool = True) -> Payload:
+        """Parse bytes from :meth:`Payload.to_bytes` made by this quantizer (``copy``: as
+        :meth:`Payload.from_bytes`)."""
         numel = 1
         for s in shape:
             numel *= int(s)
-        p = Payload.from_bytes(buf, names=self.wire_fields(numel), spec=self.spec, shape=shape, dtype=dtype)
+        p = Payload.from_bytes(buf, names=self.wire_fields(numel), spec=self.spec, shape=shape, dtype=dtype,
+                               copy=copy)
         self._check_fields(p)
         return p
 

@@ -15,7 +15,7 @@ the codes travel as integers of the narrowest type that holds ``±M·s``.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -87,6 +87,14 @@ class MaxNorm(SummableQuantizer):
         if not fast_cpu(out):
             return False
         kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+        return True
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        if not fast_cpu(out):
+            return False
+        kernels.uniform_decode_mean([f["codes"] for f in fields], [f["scales"] for f in fields], self.s,
+                                    self.bucket, self.width, numel, out=out)
         return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ hold at most 8 bits (``levels ≤ 127``).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -164,6 +164,11 @@ class QSGD(Quantizer):
         if "stream" in f and f["stream"].numel() < 1:
             raise PayloadError(f"{self.name}: field 'stream' is empty (every stream holds a layout flag bit)")
 
+    def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
+        # the fused kernels only do arithmetic on NaN/Inf; a bucket's L2 or max norm is NaN/Inf
+        # exactly when the bucket holds one (or, L2 only, when finite squares overflow)
+        return self.coding == "fixed" and x.dtype == torch.float32 and fast_cpu(x)
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if self.coding == "fixed" and fast_cpu(v):
             if self.norm == "max":  # norm, quantize and pack fused per bucket
@@ -191,6 +196,14 @@ class QSGD(Quantizer):
         if self.coding != "fixed" or not fast_cpu(out):
             return False
         kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+        return True
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        if self.coding != "fixed" or not fast_cpu(out):
+            return False
+        kernels.uniform_decode_mean([f["codes"] for f in fields], [f["scales"] for f in fields], self.s,
+                                    self.bucket, self.width, numel, out=out)
         return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ constant gradient instead of limiting its outliers.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -154,6 +154,17 @@ class TernGrad(SummableQuantizer):
             kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel, out=out)
         else:
             kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2, out=out)
+        return True
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        if not fast_cpu(out):
+            return False
+        codes, scales = [f["codes"] for f in fields], [f["scales"] for f in fields]
+        if self.pack == "trit":
+            kernels.uniform_decode_trits_mean(codes, scales, self.bucket, numel, out=out)
+        else:
+            kernels.uniform_decode_mean(codes, scales, 1, self.bucket, 2, numel, max_field=2, out=out)
         return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
