@@ -247,35 +247,18 @@ def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional
     return _uniform(x, scales, 1, bucket, 0, rng, clip, out, False)[0]
 
 
-def _decode_uniform(data, scales, s, bucket, width, n, out, max_field):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    nbytes = (n + 4) // 5 if width == 0 else (n * width + 7) // 8
-    arr = _payload(data, nbytes, "trits" if width == 0 else f"{width}-bit codes")
-    d = _bucket(n, bucket)
-    sv = _scales(scales, _nbuckets(n, d))
-    res = _out(out, n, torch.float32)
-    if n:
-        bad = _cpu().uniform_decode(arr, sv, s, d, width, 255 if max_field is None else max_field,
-                                    _chunk(d), res.numpy())
-        if bad:
-            what = "bytes above 242 (3**5 - 1)" if width == 0 else f"fields above {max_field}"
-            raise PayloadError(f"corrupt codes: {bad} {what}")
-    return res
-
-
 def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
                    n: int, max_field: Optional[int] = None,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``float32(field − s)·(scale_b/s)`` for ``n`` packed ``width``-bit fields. With ``max_field``,
     a field above it raises :class:`PayloadError` (TernGrad 2-bit: ``max_field=2``)."""
-    return _decode_uniform(packed, scales, _levels_s(s, None), bucket, _width(width), n, out, max_field)
+    return _decode_uniform_mean([packed], [scales], _levels_s(s, None), bucket, _width(width), n, out, max_field)
 
 
 def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TernGrad ``pack=trit`` decode: ``(trit − 1)·scale_b``; a byte above 242 raises PayloadError."""
-    return _decode_uniform(packed, scales, 1, bucket, 0, n, out, None)
+    return _decode_uniform_mean([packed], [scales], 1, bucket, 0, n, out, None)
 
 
 def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[np.ndarray, np.ndarray]:

@@ -547,44 +547,13 @@ def uniform_encode(x, xi, scales, compute, s, bucket, width, clip, k1, k2, ctr0,
 
 
 @_kernel
-def uniform_decode(data, scales, s, bucket, width, max_field, chunk, out):
-    """``out[i] = float32(field_i − s)·(scale_b / s)``; returns the number of fields above
-    ``max_field`` (trits, ``width == 0``: of bytes above 242)."""
-    n = out.size
-    nch = (n + chunk - 1) // chunk
-    bad = np.zeros(nch, np.int64)
-    sf = F32(s)
-    for c in prange(nch):
-        e0 = c * chunk
-        e1 = min(n, e0 + chunk)
-        tmp = np.empty(e1 - e0, np.uint8)
-        nbad = 0
-        if width == 0:
-            nbad = _unpack_trits(data[e0 // 5:], tmp)
-        else:
-            _unpack(data[(e0 * width) // 8:], width, tmp)
-        p = e0
-        while p < e1:
-            b = p // bucket
-            q = min((b + 1) * bucket, e1)
-            mult = scales[b] / sf
-            ts = tmp[p - e0:q - e0]
-            os = out[p:q]
-            for i in range(q - p):
-                f = np.int32(ts[i])
-                nbad += f > max_field
-                os[i] = F32(f - s) * mult
-            p = q
-        bad[c] = nbad
-    return bad.sum()
-
-
-@_kernel
 def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field, chunk, out):
-    """The mean of ``M`` payloads' :func:`uniform_decode`: payload ``j``'s fields are
-    ``data[offs[j]:offs[j] + nbytes]`` with scales ``scales[j]``; ``out[i] = (((d_0 + d_1) + d_2) + …) / M``
-    in float32, added in payload order — bit for bit what decoding each and adding left to right
-    gives, in one pass that keeps each chunk of ``out`` in cache. Returns the count of bad fields."""
+    """Unpack + dequantize, and average over ``M`` payloads: payload ``j``'s fields are
+    ``data[offs[j]:offs[j] + nbytes]`` with scales ``scales[j]``, its decode
+    ``d_j = float32(field − s)·(scale_b / s)``, and ``out = (((d_0 + d_1) + d_2) + …) / M`` in float32,
+    added in payload order (bit for bit what decoding each and adding left to right gives) in one
+    pass that keeps each chunk of ``out`` in cache; ``M = 1`` is the plain decode. Returns the number
+    of fields above ``max_field`` (trits, ``width == 0``: of bytes above 242)."""
     n = out.size
     m = offs.size
     nch = (n + chunk - 1) // chunk
@@ -620,9 +589,10 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
                         nbad += f > max_field
                         os[i] = os[i] + F32(f - s) * mult
                 p = q
-        os = out[e0:e1]
-        for i in range(e1 - e0):
-            os[i] = os[i] / mf
+        if m > 1:
+            os = out[e0:e1]
+            for i in range(e1 - e0):
+                os[i] = os[i] / mf
         bad[c] = nbad
     return bad.sum()
 
