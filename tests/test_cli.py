@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gradq.cli import DEMO_SPECS, main
+from gradq.cli import COMPARE_SPECS, DEMO_COMPRESSORS, main
 import gradq
 
 
@@ -17,10 +17,10 @@ def test_list_shows_every_scheme(capsys):
         assert name in out
 
 
-def test_demo_specs_all_build():
-    for s in DEMO_SPECS:
+def test_compare_specs_all_build():
+    for s in COMPARE_SPECS:
         gradq.build(s)
-    names = {gradq.build(s).spec.split(":")[0].removeprefix("ef(") for s in DEMO_SPECS}
+    names = {gradq.build(s).spec.split(":")[0].removeprefix("ef(") for s in COMPARE_SPECS}
     assert set(gradq.available()) <= names
 
 
@@ -50,3 +50,20 @@ def test_bad_spec_fails_fast_with_a_clear_message(capsys):
 def test_missing_data_is_a_clear_error(capsys):
     assert main(["compare", "-c", "none", "--data", "mnist:/nope"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_compressors_are_valid():
+    from gradq.train.runner import baseline_kind
+
+    kinds = [baseline_kind(c)[0] for c in DEMO_COMPRESSORS]
+    assert kinds[0] == "fp32" and "powersgd" in kinds and kinds.count("gradq") == 7
+
+
+def test_train_refuses_a_bad_compressor_before_starting(capsys, tmp_path):
+    assert main(["train", "-c", "qsgd:bits=99", "--out", str(tmp_path / "r")]) == 2
+    assert "bits=99 is out of range" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    assert main(["train", "-c", "powersgd:rank=x", "--out", str(tmp_path / "r")]) == 2
+    assert "powersgd:rank=R" in capsys.readouterr().err
+    assert main(["train", "--seeds", "a,b", "--out", str(tmp_path / "r")]) == 2
+    assert "--seeds" in capsys.readouterr().err

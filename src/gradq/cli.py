@@ -1,9 +1,14 @@
 """The ``gradq`` command.
 
+* ``gradq train --workers 4 --model mlp --data digits --compressor SPEC [--compressor SPEC ...] --out DIR``
+  — data-parallel training (local gloo workers, or in place under torchrun) with each compressor in
+  turn; JSONL logs and configs per run, a summary table at the end (:mod:`gradq.train.runner`).
+* ``gradq report RUN_DIR...`` — figures (PNG) and a markdown table from run logs.
+* ``gradq demo`` — 4 workers on the embedded digits data: fp32 against eight compressors and PyTorch's
+  PowerSGD hook; prints the table and writes the figures.
 * ``gradq list`` — every scheme with its parameters and defaults.
-* ``gradq compare --compressor SPEC ... [--data digits|mnist:PATH|synthetic] [--model mlp|lenet|logreg]``
-  — quantize a real model's gradients with each spec and print bits/coordinate, relative error and bias.
-* ``gradq demo`` — ``compare`` with every scheme at the papers' settings on the embedded digits data.
+* ``gradq compare --compressor SPEC ... | --all`` — quantize one real model's gradients with each spec
+  and print bits/coordinate, relative error and bias (no training).
 """
 
 from __future__ import annotations
@@ -11,16 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import __version__
 from .errors import GradqError
 from .spec import build, registry
 
-__all__ = ["main", "DEMO_SPECS"]
+__all__ = ["main", "COMPARE_SPECS", "DEMO_COMPRESSORS"]
 
-#: every scheme, at the settings the papers used where they name one
-DEMO_SPECS = [
+#: what ``gradq demo`` trains: fp32 against the papers' main schemes and PyTorch's PowerSGD hook
+DEMO_COMPRESSORS = [
+    "fp32", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512", "terngrad", "maxnorm:bits=4",
+    "multiscale:bits=2+6", "orq:levels=5", "bingrad-b", "powersgd:rank=1",
+]
+
+#: every scheme, at the settings the papers used where they name one (``gradq compare --all``)
+COMPARE_SPECS = [
     "none", "fp16", "bf16",
     "qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=128", "qsgd:bits=4,norm=l2",
     "terngrad", "terngrad:clip=none",
@@ -72,24 +83,127 @@ def _cmd_compare(args: argparse.Namespace, specs: Sequence[str]) -> int:
     return 0
 
 
+def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
+    if not demo:
+        c.add_argument("--compressor", "-c", action="append", metavar="SPEC",
+                       help="fp32, powersgd[:rank=R,start=S] or a gradq spec such as qsgd:bits=4,bucket=512 "
+                            "(repeatable: the runs go one after another into --out; default fp32)")
+        c.add_argument("--model", default="mlp", help="logreg, mlp, lenet, resnet20 or vgg (default mlp)")
+        c.add_argument("--data", default="digits",
+                       help="digits (default, embedded), mnist[:PATH], cifar10[:PATH] or synthetic[:n=...,...]")
+        c.add_argument("--epochs", type=int, default=10)
+        c.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+        c.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+        c.add_argument("--lr", type=float, default=0.1)
+        c.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+        c.add_argument("--weight-decay", type=float, default=0.0)
+        c.add_argument("--schedule", default="constant", choices=["constant", "cosine", "step"])
+        c.add_argument("--warmup-epochs", type=float, default=0.0, help="linear learning-rate warm-up")
+        c.add_argument("--seeds", default="0", help="comma-separated seeds; each compressor runs once per seed")
+        c.add_argument("--measure-error", action="store_true",
+                       help="log the relative quantization error of the averaged gradient (one extra fp32 all-reduce)")
+        c.add_argument("--strategy", default="auto", choices=["auto", "allreduce", "scatter", "allgather", "ps"])
+        c.add_argument("--min-numel", type=int, default=10_000, help="smaller tensors stay fp32 (default 10000)")
+        c.add_argument("--hook-warmup-steps", type=int, default=0, help="first steps averaged in fp32")
+        c.add_argument("--uncompressed", action="append", default=[], metavar="NAME",
+                       help="a parameter name left uncompressed (repeatable)")
+        c.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+        c.add_argument("--log-every", type=int, default=1, help="write a step row every N steps")
+        c.add_argument("--target", type=float, default=None,
+                       help="test accuracy (fraction) for the time-to-target column")
+        c.add_argument("--force", action="store_true", help="overwrite run directories that hold other runs")
+    c.add_argument("--workers", type=int, default=4, help="local worker processes (ignored under torchrun)")
+    c.add_argument("--out", default="runs/demo" if demo else None, required=not demo, metavar="DIR",
+                   help="directory for the run directories" + (" (default runs/demo)" if demo else ""))
+    c.add_argument("--timeout", type=float, default=None, help="seconds one run may take (default: no limit)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradq", description="Gradient quantization for data-parallel PyTorch.")
     p.add_argument("--version", action="version", version=f"gradq {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list every scheme with its default spec")
-    for name, helptext in (("compare", "quantize a real model's gradients with the given specs"),
-                           ("demo", "compare every scheme on the embedded digits data")):
-        c = sub.add_parser(name, help=helptext)
-        if name == "compare":
-            c.add_argument("--compressor", "-c", action="append", required=True, metavar="SPEC",
-                           help="a quantizer spec, e.g. qsgd:bits=4,bucket=512 (repeatable)")
-        c.add_argument("--data", default="digits", help="digits (default), mnist:PATH or synthetic")
-        c.add_argument("--model", default="mlp", choices=["mlp", "lenet", "logreg"])
-        c.add_argument("--trials", type=int, default=16, help="encodes per scheme (default 16)")
-        c.add_argument("--warm-steps", type=int, default=50, help="SGD steps before taking gradients")
-        c.add_argument("--seed", type=int, default=0)
-        c.add_argument("--json", metavar="FILE", help="also write the rows as JSON lines")
+    _add_train_args(sub.add_parser("train", help="train data-parallel with one or more compressors"), demo=False)
+    _add_train_args(sub.add_parser("demo", help="4 workers on digits: fp32 vs eight compressors and PowerSGD"),
+                    demo=True)
+    r = sub.add_parser("report", help="figures and a markdown table from run directories")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or folders holding them")
+    r.add_argument("--out", default=None, metavar="DIR", help="where report.md and the PNGs go")
+    r.add_argument("--target", type=float, default=None, help="test accuracy (fraction) for time-to-target")
+    r.add_argument("--title", default=None)
+    c = sub.add_parser("compare", help="quantize a real model's gradients with the given specs (no training)")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--compressor", "-c", action="append", metavar="SPEC",
+                   help="a quantizer spec, e.g. qsgd:bits=4,bucket=512 (repeatable)")
+    g.add_argument("--all", action="store_true", help="every scheme at the papers' settings")
+    c.add_argument("--data", default="digits", help="digits (default), mnist[:PATH] or synthetic")
+    c.add_argument("--model", default="mlp", help="logreg, mlp or lenet (default mlp)")
+    c.add_argument("--trials", type=int, default=16, help="encodes per scheme (default 16)")
+    c.add_argument("--warm-steps", type=int, default=50, help="SGD steps before taking gradients")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", metavar="FILE", help="also write the rows as JSON lines")
     return p
+
+
+def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any) -> list:
+    from .train.runner import TrainConfig
+
+    try:
+        seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    except ValueError:
+        raise GradqError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise GradqError("--seeds names no seed")
+    keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
+            "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "uncompressed",
+            "backend", "log_every", "workers")
+    base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    base.update(fixed)
+    return [TrainConfig(compressor=c, seed=s, **base) for c in compressors for s in seeds]
+
+
+def _finish(dirs: list, out: str, target: Optional[float], figures: bool, title: Optional[str] = None) -> None:
+    from .train.report import format_console_table, load_runs, summary_rows, write_report
+
+    rows = summary_rows(load_runs(dirs), target=target)
+    print(format_console_table(rows))
+    if figures:
+        md, figs = write_report(dirs, out, target=target, title=title)
+        print(f"report: {md}" + (f" ({len(figs)} figures)" if figs else " (figures skipped: matplotlib missing)"))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train.launch import run_all
+
+    cfgs = _configs(args, args.compressor or ["fp32"])
+    dirs = run_all(cfgs, args.out, force=args.force, timeout=args.timeout)
+    _finish(dirs, args.out, args.target, figures=False)
+    print(f"logs in {args.out}; figures: gradq report {args.out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .train.launch import run_all
+
+    args.seeds = "0"
+    cfgs = _configs(args, DEMO_COMPRESSORS, model="mlp", data="digits", epochs=8, batch_size=32, optimizer="sgd",
+                    lr=0.1, momentum=0.9, weight_decay=0.0, schedule="constant", warmup_epochs=0.0,
+                    measure_error=True, strategy="auto", min_numel=10_000, hook_warmup_steps=0,
+                    uncompressed=[], backend="gloo", log_every=1)
+    print(f"gradq demo: {len(cfgs)} runs of an MLP on the embedded digits data, {args.workers} workers, "
+          f"8 epochs each, into {args.out}", flush=True)
+    dirs = run_all(cfgs, args.out, force=True, timeout=args.timeout)
+    _finish(dirs, args.out, 0.9, figures=True, title="gradq demo: MLP on digits, 4 workers")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .train.report import format_console_table, load_runs, summary_rows, write_report
+
+    print(format_console_table(summary_rows(load_runs(args.runs), target=args.target)))
+    md, figs = write_report(args.runs, args.out, target=args.target, title=args.title)
+    print(f"report: {md}" + (f" ({len(figs)} figures)" if figs else " (figures skipped: matplotlib missing)"))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -97,11 +211,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "list":
             return _cmd_list(args)
+        if args.command == "train":
+            return _cmd_train(args)
+        if args.command == "demo":
+            return _cmd_demo(args)
+        if args.command == "report":
+            return _cmd_report(args)
         if args.trials < 2:
             raise GradqError("--trials must be at least 2 (the bias estimate needs several encodes)")
-        specs = DEMO_SPECS if args.command == "demo" else args.compressor
-        return _cmd_compare(args, specs)
-    except (GradqError, ValueError, RuntimeError) as e:
+        return _cmd_compare(args, COMPARE_SPECS if args.all else args.compressor)
+    except KeyboardInterrupt:
+        print("gradq: interrupted", file=sys.stderr)
+        return 130
+    except (GradqError, ValueError, RuntimeError, OSError) as e:
         print(f"gradq: error: {e}", file=sys.stderr)
         return 2
 
