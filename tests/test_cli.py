@@ -67,3 +67,14 @@ def test_train_refuses_a_bad_compressor_before_starting(capsys, tmp_path):
     assert "powersgd:rank=R" in capsys.readouterr().err
     assert main(["train", "--seeds", "a,b", "--out", str(tmp_path / "r")]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_train_network_without_root_says_so_and_runs_nothing(capsys, tmp_path, monkeypatch):
+    import gradq.netem as netem
+
+    monkeypatch.setattr(netem, "can_emulate", lambda: (False, "needs root"))
+    assert main(["train", "-c", "fp32", "--network", "1gbit", "--out", str(tmp_path / "r")]) == 0
+    assert "cannot emulate a 1gbit network here (needs root); nothing was run" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
+    assert main(["train", "-c", "fp32", "--network", "fast", "--out", str(tmp_path / "r")]) == 2
+    assert "fast" in capsys.readouterr().err

@@ -112,6 +112,9 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
         c.add_argument("--target", type=float, default=None,
                        help="test accuracy (fraction) for the time-to-target column")
         c.add_argument("--force", action="store_true", help="overwrite run directories that hold other runs")
+        c.add_argument("--network", default=None, metavar="RATE",
+                       help="as root: one worker per network namespace, links limited to RATE (e.g. 1gbit, "
+                            "100mbit) with tbf, as in NETWORK.md; torn down afterwards")
     c.add_argument("--workers", type=int, default=4, help="local worker processes (ignored under torchrun)")
     c.add_argument("--out", default="runs/demo" if demo else None, required=not demo, metavar="DIR",
                    help="directory for the run directories" + (" (default runs/demo)" if demo else ""))
@@ -156,7 +159,7 @@ def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any)
         raise GradqError("--seeds names no seed")
     keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
             "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "uncompressed",
-            "backend", "log_every", "workers")
+            "backend", "log_every", "workers", "network")
     base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     base.update(fixed)
     return [TrainConfig(compressor=c, seed=s, **base) for c in compressors for s in seeds]
@@ -175,10 +178,28 @@ def _finish(dirs: list, out: str, target: Optional[float], figures: bool, title:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train.launch import run_all
 
+    import os
+
+    from .train.launch import under_torchrun
+
     cfgs = _configs(args, args.compressor or ["fp32"])
-    dirs = run_all(cfgs, args.out, force=args.force, timeout=args.timeout)
-    _finish(dirs, args.out, args.target, figures=False)
-    print(f"logs in {args.out}; figures: gradq report {args.out}")
+    if args.network:
+        from .netem import EmulatedNetwork, can_emulate, parse_rate
+
+        parse_rate(args.network)  # a typo fails before anything else
+        if under_torchrun():
+            raise GradqError("--network builds its own local workers; it cannot run under torchrun")
+        ok, why = can_emulate()
+        if not ok:
+            print(f"gradq train: cannot emulate a {args.network} network here ({why}); nothing was run")
+            return 0
+        with EmulatedNetwork(args.workers, args.network) as net:
+            dirs = run_all(cfgs, args.out, force=args.force, timeout=args.timeout, net=net)
+    else:
+        dirs = run_all(cfgs, args.out, force=args.force, timeout=args.timeout)
+    if not under_torchrun() or os.environ.get("RANK") == "0":
+        _finish(dirs, args.out, args.target, figures=False)
+        print(f"logs in {args.out}; figures: gradq report {args.out}")
     return 0
 
 

@@ -35,7 +35,7 @@ import pickle
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -180,16 +180,23 @@ def _search_roots() -> list[str]:
     return [os.path.expanduser(r) for r in roots] + [os.path.expanduser(os.path.join("~", ".cache", "gradq"))]
 
 
+def _from_path(path: str, find: Callable[[str], Any], load: Callable[[Any], Arrays], what: str, looked: str,
+               how: str) -> Arrays:
+    """Load from a path the user named: a clear error if it is missing or holds no such data."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise DataError(f"{path!r} does not exist. {how}")
+    found = find(path)
+    if found is None:
+        raise DataError(f"no {what} in {path!r} (looked for {looked}). {how}")
+    return load(found)
+
+
 def _mnist(path: str) -> Arrays:
     if path:
-        path = os.path.expanduser(path)
-        if not os.path.exists(path):
-            raise DataError(f"{path!r} does not exist. {_MNIST_HOW}")
-        found = _find_mnist(path)
-        if found is None:
-            raise DataError(f"no MNIST data in {path!r} (looked for .npz files, IDX files, raw/ and MNIST/raw/). "
-                            f"{_MNIST_HOW}")
-        return _load_mnist(*found)
+        return _from_path(path, _find_mnist, lambda f: _load_mnist(*f),
+                          "MNIST data",
+                          ".npz files, IDX files, raw/ and MNIST/raw/", _MNIST_HOW)
     shared = os.path.join("..", "shared", "data", "mnist10k.npz")
     candidates = _search_roots() + [os.path.join(os.getcwd(), shared), str(REPO_ROOT / shared)]
     for cand in candidates:
@@ -292,14 +299,9 @@ def _cifar_torchvision(root: str) -> Optional[Arrays]:
 
 def _cifar10(path: str) -> Arrays:
     if path:
-        path = os.path.expanduser(path)
-        if not os.path.exists(path):
-            raise DataError(f"{path!r} does not exist. {_CIFAR_HOW}")
-        source = _find_cifar(path)
-        if source is None:
-            raise DataError(f"no CIFAR-10 batches in {path!r} (looked for data_batch_1, {_CIFAR_DIR}/ and "
-                            f"{_CIFAR_TAR}). {_CIFAR_HOW}")
-        return _load_cifar(source)
+        return _from_path(path, _find_cifar, _load_cifar,
+                          "CIFAR-10 batches",
+                          f"data_batch_1, {_CIFAR_DIR}/ and {_CIFAR_TAR}", _CIFAR_HOW)
     roots = _search_roots()
     for source in filter(None, map(_find_cifar, roots)):
         return _load_cifar(source)
