@@ -6,6 +6,8 @@
 * ``gradq report RUN_DIR...`` — figures (PNG) and a markdown table from run logs.
 * ``gradq demo`` — 4 workers on the embedded digits data: fp32 against eight compressors and PyTorch's
   PowerSGD hook; prints the table and writes the figures.
+* ``gradq perfmodel ...`` — projected time per iteration and throughput against the number of GPUs
+  (:mod:`gradq.perfmodel`).
 * ``gradq list`` — every scheme with its parameters and defaults.
 * ``gradq compare --compressor SPEC ... | --all`` — quantize one real model's gradients with each spec
   and print bits/coordinate, relative error and bias (no training).
@@ -129,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_args(sub.add_parser("train", help="train data-parallel with one or more compressors"), demo=False)
     _add_train_args(sub.add_parser("demo", help="4 workers on digits: fp32 vs eight compressors and PowerSGD"),
                     demo=True)
+    from .perfmodel import add_arguments as perfmodel_arguments
+
+    perfmodel_arguments(sub.add_parser("perfmodel", help="projected time per iteration and throughput vs GPUs"))
     r = sub.add_parser("report", help="figures and a markdown table from run directories")
     r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or folders holding them")
     r.add_argument("--out", default=None, metavar="DIR", help="where report.md and the PNGs go")
@@ -238,6 +243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_demo(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "perfmodel":
+            from .perfmodel import run as perfmodel_run
+
+            return perfmodel_run(args)
         if args.trials < 2:
             raise GradqError("--trials must be at least 2 (the bias estimate needs several encodes)")
         return _cmd_compare(args, COMPARE_SPECS if args.all else args.compressor)
