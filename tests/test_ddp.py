@@ -325,3 +325,12 @@ def test_error_report_and_time_breakdown(outs):
         assert parts <= st["seconds"], st
     for r in outs:
         assert "rel_error" not in r["stats|qsgd:bits=4"]  # only on request
+
+
+def test_which_schemes_are_batched_into_one_call_per_step():
+    from gradq.ddp import _bucketed
+
+    for spec, want in [("qsgd:bits=4,bucket=512", True), ("ef(qsgd:bits=2)", True), ("orq:levels=5", True),
+                       ("qsgd:bits=4,bucket=none", False), ("terngrad", False), ("terngrad:bucket=128", False),
+                       ("maxnorm:bits=4", False), ("maxnorm:bits=4,bucket=64", True)]:
+        assert _bucketed(gradq.build(spec)) is want, spec

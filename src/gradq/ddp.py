@@ -13,10 +13,11 @@ the parameter boundaries, so layer-wise schemes (TernGrad's per-layer scaler, pa
 and error-feedback residuals are keyed by PARAMETER NAME — DDP rebuilds its buckets after the first
 iteration, so bucket indices are not stable keys.
 
-Policy (kept in float32; averaged with one all-reduce of their concatenation per bucket on 2 ranks,
-and with one all-reduce per parameter on more — **[decided]** with 3 or more ranks the ring's float
-summation order depends on an element's position in the buffer, which DDP's bucket rebuild changes,
-so per-parameter reductions are what keeps a resumed run bit-identical to an uninterrupted one):
+Policy (kept in float32; averaged by ONE all-reduce per step, at the last bucket, of all of them
+concatenated in the model's parameter order — **[decided]** with 3 or more ranks the ring's float
+summation order depends on an element's position in the buffer, so the layout must not follow DDP's
+bucketing, which its rebuild after the first iteration changes; in model order a resumed run stays
+bit-identical to an uninterrupted one, and a step costs one collective instead of one per tensor):
 tensors with fewer than ``min_numel`` elements (QSGD's experiments left tensors below 10 000 elements
 unquantized, paper 000 §4), 1-D tensors (biases, norm scales) when ``keep_1d_fp32``, parameters named
 in ``uncompressed`` (TernGrad §4.2 keeps the last classifier in full precision), and every parameter
@@ -133,6 +134,7 @@ class GradqState:
         self.last_stats: dict[str, Any] = {}
         self.totals: dict[str, float] = {"bytes_sent": 0, "coords": 0, "seconds": 0.0, "steps": 0}
         self._names: dict[int, str] = {}
+        self._order: dict[str, int] = {}  # parameter name -> position in the model (fp32 all-reduce order)
         self._reset_runtime()
         if module is not None:
             self.bind(module)
@@ -145,13 +147,15 @@ class GradqState:
     @staticmethod
     def _fresh_pending() -> dict[str, Any]:
         return {"bytes_sent": 0, "coords": 0, "quantized_coords": 0, "seconds": 0.0, "skip": False,
-                "encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "err2": 0.0, "ref2": 0.0}
+                "encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "err2": 0.0, "ref2": 0.0, "fp32": [],
+                "batched": []}
 
     # -- names -------------------------------------------------------------------------------------
     def bind(self, module: torch.nn.Module) -> "GradqState":
         """Name the parameters of ``module`` (a model or its DDP wrapper) for the hook."""
         inner = getattr(module, "module", module)
         self._names = {id(p): n for n, p in inner.named_parameters()}
+        self._order = {n: i for i, n in enumerate(self._names.values())}
         return self
 
     def _name_of(self, p: torch.Tensor) -> str:
@@ -219,7 +223,7 @@ class GradqState:
         logger.warning("GradqState: the process group and parameter names are not pickled; "
                        "set state.process_group and call state.bind(model) after unpickling")
         d = dict(self.__dict__)
-        for k in ("process_group", "_names", "_pending", "_step_buffers", "_checked"):
+        for k in ("process_group", "_names", "_order", "_pending", "_step_buffers", "_checked"):
             d.pop(k, None)
         return d
 
@@ -227,6 +231,7 @@ class GradqState:
         self.__dict__.update(d)
         self.process_group = None
         self._names = {}
+        self._order = {}
         self._reset_runtime()
 
     # -- strategy ----------------------------------------------------------------------------------
@@ -304,36 +309,21 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     else:
         step_seed = derive_seed(state.seed, None, state.step)
         fp32 = [i for i, (n, p) in enumerate(zip(names, params)) if state._keeps_fp32(n, p)]
-        t_fp32 = time.perf_counter()
-        if fp32 and world <= 2:  # a + b rounds the same in any layout: one all-reduce for the group
-            flat = torch.cat([views[i].reshape(-1) for i in fp32])
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            for i, part in zip(fp32, torch.split(flat, [sizes[i] for i in fp32])):
-                views[i].copy_(part)
-            pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel(), world, flat.dtype)
-        for i in fp32 if world > 2 else ():
-            # one all-reduce per parameter: the ring's summation order then depends on the tensor
-            # alone, not on where DDP's (rebuilt) buckets put it, so a resumed run stays bit-exact
-            dist.all_reduce(views[i], group=group)
-            views[i].div_(world)
-            pend["bytes_sent"] += allreduce_bytes_per_worker(sizes[i], world, views[i].dtype)
-        pend["comm_s"] += time.perf_counter() - t_fp32
+        # averaged all together by one all-reduce at the step's last bucket (_reduce_fp32)
+        pend["fp32"].extend((names[i], views[i]) for i in fp32)
         kept = set(fp32)
+        batch = strategy == "scatter" and _bucketed(state.quantizer)
         for i, (n, v) in enumerate(zip(names, views)):
             if i in kept:
                 continue
-            exact = None
-            if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
-                exact = v.detach().clone()
-                dist.all_reduce(exact, group=group)
-                exact.div_(world)
-            pend["bytes_sent"] += _communicate(state, strategy, v, n, derive_seed(step_seed, None, n), rank)
-            pend["quantized_coords"] += v.numel()
-            if exact is not None:
-                pend["err2"] += float((v.detach().double() - exact.double()).square().sum())
-                pend["ref2"] += float(exact.double().square().sum())
+            if batch:  # one protocol call for all of them at the step's last bucket (_reduce_batched)
+                pend["batched"].append((n, v))
+                continue
+            _quantized_average(state, strategy, v, n, derive_seed(step_seed, None, n), rank, group, world)
     state._step_buffers.append(buf)
+    if bucket.is_last():
+        _reduce_batched(state, strategy, rank, group, world)
+        _reduce_fp32(state, group, world)
     pend["coords"] += buf.numel()
     pend["seconds"] += time.perf_counter() - t0
     if bucket.is_last():
@@ -341,6 +331,70 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def _bucketed(q: Quantizer) -> bool:
+    """Whether ``q`` quantizes fixed-size buckets (not whole layers), so that tensors may be
+    concatenated before encoding without changing what a scale covers beyond bucket edges."""
+    inner = getattr(q, "inner", q)
+    return not q.layerwise and isinstance(getattr(inner, "bucket", None), int)
+
+
+def _quantized_average(state: GradqState, strategy: str, v: torch.Tensor, name: str, seed: int, rank: int,
+                       group: Any, world: int) -> None:
+    """Average ``v`` in place through the quantized protocol, with the error measurement if asked."""
+    pend = state._pending
+    exact = None
+    if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
+        exact = v.detach().clone()
+        dist.all_reduce(exact, group=group)
+        exact.div_(world)
+    pend["bytes_sent"] += _communicate(state, strategy, v, name, seed, rank)
+    pend["quantized_coords"] += v.numel()
+    if exact is not None:
+        pend["err2"] += float((v.detach().double() - exact.double()).square().sum())
+        pend["ref2"] += float(exact.double().square().sum())
+
+
+def _reduce_batched(state: GradqState, strategy: str, rank: int, group: Any, world: int) -> None:
+    """Scatter/all-gather ALL of the step's quantized tensors as one vector (bucketed schemes).
+
+    **[decided]** Concatenated in the model's parameter order (independent of DDP's bucketing, so
+    error-feedback memory, kept under the key ``"step"``, and resumed runs stay exact), the step costs
+    one protocol call — a few collectives — instead of one per tensor; a bucket of ``d`` values may
+    then span the end of one tensor and the start of the next. Layer-wise schemes (one scale per
+    tensor) are never batched."""
+    pend = state._pending
+    parts, pend["batched"] = sorted(pend["batched"], key=lambda nv: state._order.get(nv[0], -1)), []
+    if not parts or pend["skip"]:
+        return
+    flat = torch.cat([v.reshape(-1) for _, v in parts])
+    seed = derive_seed(derive_seed(state.seed, None, state.step), None, "step")
+    _quantized_average(state, strategy, flat, "step", seed, rank, group, world)
+    for (_, v), part in zip(parts, torch.split(flat, [v.numel() for _, v in parts])):
+        v.copy_(part.view_as(v))
+
+
+def _reduce_fp32(state: GradqState, group: Any, world: int) -> None:
+    """Average the step's float32-policy tensors of every bucket with ONE all-reduce.
+
+    They are concatenated in the model's parameter order, so each value's position in the buffer —
+    which fixes the order in which gloo's ring adds it up on more than 2 ranks — depends on the model
+    alone, not on how DDP (re)buckets the parameters: a resumed run stays bit-exact. The earlier buckets'
+    futures are already complete; their buffers are updated in place before DDP reads them (after the
+    last bucket's hook). Skipped steps (NaN policy, agreed by every rank) have nothing to average."""
+    pend = state._pending
+    parts, pend["fp32"] = sorted(pend["fp32"], key=lambda nv: state._order.get(nv[0], -1)), []
+    if not parts or pend["skip"]:
+        return
+    t = time.perf_counter()
+    flat = torch.cat([v.reshape(-1) for _, v in parts])
+    dist.all_reduce(flat, group=group)
+    flat.div_(world)
+    for (_, v), part in zip(parts, torch.split(flat, [v.numel() for _, v in parts])):
+        v.copy_(part.view_as(v))
+    pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel(), world, flat.dtype)
+    pend["comm_s"] += time.perf_counter() - t
 
 
 def _finish_step(state: GradqState) -> None:

@@ -74,6 +74,18 @@ def test_hook_clock_counts_overlapping_spans_once():
     assert c.take() == 0.0
 
 
+def test_hook_clock_wraps_hooks_async_and_sync():
+    def inner(state, bucket):
+        f = torch.futures.Future()
+        f.set_result(torch.ones(3))
+        return f
+    for sync in (False, True):
+        c = _HookClock(inner, sync=sync)
+        fut = c.hook(None, None)
+        assert torch.equal(fut.wait(), torch.ones(3))
+        assert len(c.spans) == 1 and c.take() >= 0.0 and c.spans == []
+
+
 def test_byte_models():
     assert _ring_bytes(1000, 4) == 2 * 3 * 4 * 1000 // 4
     model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 3))

@@ -5,7 +5,9 @@ gradient averaged by
 
 * ``fp32`` — DDP's own float32 all-reduce (``allreduce_hook``, asynchronous, overlapping the backward);
 * ``powersgd[:rank=R,start=S]`` — PyTorch's ``powerSGD_hook`` (rank ``R``, default 1; compression from
-  iteration ``S``, default 2, with PyTorch's error feedback and warm start);
+  iteration ``S``, default 2, with PyTorch's error feedback and warm start), each bucket waited for
+  before the next starts (on gloo, PowerSGD's chained collectives of two buckets could otherwise be
+  issued in different orders on different ranks);
 * any gradq spec — ``gradq.register(ddp_model, spec, ...)`` (synchronous hook; see :mod:`gradq.ddp`).
 
 Every rank trains on its own shard of each epoch's permutation (drawn from the seed and the epoch, so
@@ -142,12 +144,15 @@ def _lr_at(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
 
 
 class _HookClock:
-    """Wraps an asynchronous DDP hook: records, per step, the union of [call, completion] intervals.
+    """Wraps a DDP hook: records, per step, the union of [call, completion] intervals.
 
     ``hook`` is the function to register (unannotated: DDP checks annotations it can read, and this
-    module's are strings)."""
+    module's are strings). ``sync=True`` waits for each bucket's future inside the hook, so a hook that
+    issues further collectives from its future's callbacks (PowerSGD) cannot interleave two buckets'
+    collectives in a different order on different ranks — which gloo, unlike NCCL's ordered streams,
+    turns into a size mismatch or a hang."""
 
-    def __init__(self, inner: Callable) -> None:
+    def __init__(self, inner: Callable, sync: bool = False) -> None:
         self.spans: list[tuple[float, float]] = []
 
         def hook(state, bucket):  # noqa: ANN001, ANN202
@@ -156,7 +161,12 @@ class _HookClock:
             def done(f):  # noqa: ANN001, ANN202
                 self.spans.append((t0, time.perf_counter()))
                 return f.value()
-            return inner(state, bucket).then(done)
+            fut = inner(state, bucket)
+            if sync:
+                fut.wait()
+                self.spans.append((t0, time.perf_counter()))
+                return fut
+            return fut.then(done)
         self.hook = hook
 
     def take(self) -> float:
@@ -234,7 +244,7 @@ def _install(ddp: nn.parallel.DistributedDataParallel, cfg: TrainConfig, world: 
         return None, clock, lambda step: _ring_bytes(numel, world)
     st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
                                      start_powerSGD_iter=opts["start"], random_seed=cfg.seed)
-    clock = _HookClock(powerSGD_hook.powerSGD_hook)
+    clock = _HookClock(powerSGD_hook.powerSGD_hook, sync=True)
     ddp.register_comm_hook(st, clock.hook)
     compressed = _powersgd_numel(ddp.module, opts["rank"])
     return None, clock, lambda step: _ring_bytes(numel if step < opts["start"] else compressed, world)
