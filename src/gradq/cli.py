@@ -90,7 +90,7 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
         c.add_argument("--compressor", "-c", action="append", metavar="SPEC",
                        help="fp32, powersgd[:rank=R,start=S] or a gradq spec such as qsgd:bits=4,bucket=512 "
                             "(repeatable: the runs go one after another into --out; default fp32)")
-        c.add_argument("--model", default="mlp", help="logreg, mlp, lenet, resnet20 or vgg (default mlp)")
+        c.add_argument("--model", default="mlp", help="logreg, mlp, mlp-wide, lenet, resnet20 or vgg (default mlp)")
         c.add_argument("--data", default="digits",
                        help="digits (default, embedded), mnist[:PATH], cifar10[:PATH] or synthetic[:n=...,...]")
         c.add_argument("--epochs", type=int, default=10)

@@ -109,6 +109,12 @@ def test_vgg_is_dominated_by_fully_connected_layers():
     assert build_model("vgg", 512, 10, (1, 1, 512))(torch.rand(2, 512)).shape == (2, 10)
 
 
+def test_wide_mlp_parameter_count():
+    # 784*2048+2048 + 2048*2048+2048 + 2048*10+10, the number the module docstring quotes
+    assert count_parameters(build_model("mlp-wide", 784, 10, (1, 28, 28))) == 5_824_522
+    assert count_parameters(build_model("mlp-wide", 64, 10, (8, 8))) == 64 * 2048 + 2048 + 2048 * 2048 + 2048 + 20490
+
+
 def test_parameter_summary_matches_count():
     model = build_model("lenet", 784, 10, (1, 28, 28))
     summary = parameter_summary(model)

@@ -9,6 +9,7 @@ name       what                                                                 
 =========  ===================================================================================  ========
 logreg     one linear layer (multinomial logistic regression)                                    7,850
 mlp        784-256-128-classes ReLU perceptron                                                  235,146
+mlp-wide   784-2048-2048-classes ReLU perceptron (communication-heavy)                        5,824,522
 lenet      LeNet-5-like: two 5x5 conv + max-pool stages, FC 120-84-classes                       ~0.11M
 resnet20   CIFAR ResNet-20 (He et al. 2016, §4.2), option-A shortcuts, BatchNorm                ~0.27M
 vgg        VGG-style: four 3x3 conv layers, two max-pools, FC 1024-1024-classes; >98% FC         4.34M
@@ -70,6 +71,13 @@ def _mlp(features: int, classes: int, image_shape: Shape) -> nn.Module:
     """Perceptron ``features-256-128-classes`` with ReLU; ``image_shape`` is ignored."""
     return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
                          nn.Linear(128, classes))
+
+
+def _mlp_wide(features: int, classes: int, image_shape: Shape) -> nn.Module:
+    """Wide perceptron ``features-2048-2048-classes`` with ReLU: little computation per parameter, so its
+    steps are dominated by communication (the communication-heavy model of the network benchmarks)."""
+    return nn.Sequential(nn.Linear(features, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, classes))
 
 
 def _logreg(features: int, classes: int, image_shape: Shape) -> nn.Module:
@@ -208,13 +216,13 @@ def _vgg(features: int, classes: int, image_shape: Shape) -> nn.Module:
 
 #: name -> builder ``(features, classes, image_shape) -> nn.Module``
 MODELS: dict[str, Callable[[int, int, Shape], nn.Module]] = {
-    "mlp": _mlp, "logreg": _logreg, "lenet": _lenet, "resnet20": _resnet20, "vgg": _vgg}
+    "mlp": _mlp, "mlp-wide": _mlp_wide, "logreg": _logreg, "lenet": _lenet, "resnet20": _resnet20, "vgg": _vgg}
 
 
 def build_model(name: str, features: int, classes: int, image_shape: Shape = (8, 8), seed: int = 0) -> nn.Module:
     """Build one of :data:`MODELS` with parameters initialised from ``seed``.
 
-    ``name``: ``logreg``, ``mlp``, ``lenet``, ``resnet20`` or ``vgg``. ``features``: flattened input size
+    ``name``: ``logreg``, ``mlp``, ``mlp-wide``, ``lenet``, ``resnet20`` or ``vgg``. ``features``: flattened input size
     ``C*H*W``. ``classes``: number of logits. ``image_shape`` (default ``(8, 8)``, the digits images):
     ``(C, H, W)`` or ``(H, W)``; used by the convolutional models only. ``seed`` (default 0): passed to
     ``torch.manual_seed`` before building, so equal arguments give equal parameters.
