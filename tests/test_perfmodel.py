@@ -166,6 +166,29 @@ def test_overlap_on_and_off():
     assert pm.predict(m, c, flat("100gbit"), 4).iteration_ms == approx(324.0)
 
 
+def test_communication_floor():
+    m = Model.from_mb(100, compute_ms=300)
+    # 1 Gbit/s: the ring's 1200 ms exceeds a 50 ms floor, which then changes nothing: 300 + 1200
+    assert pm.predict(m, "none", flat(), 4, comm_floor_ms=50).iteration_ms == approx(1500.0)
+    # 100 Gbit/s: 12 ms of transfers < 50 ms floor: comm = 50, iteration = 350 (overlap: 100 + max(200, 50))
+    p = pm.predict(m, "none", flat("100gbit"), 4, comm_floor_ms=50)
+    assert p.comm_ms == approx(50.0) and p.iteration_ms == approx(350.0)
+    assert pm.predict(m, "none", flat("100gbit"), 4, comm_floor_ms=50, overlap=True).iteration_ms == approx(300.0)
+    # one worker communicates nothing, floor or not
+    assert pm.predict(m, "none", flat(), 1, comm_floor_ms=50).comm_ms == 0.0
+    # the config path and the CLI flag carry it; a negative floor is refused
+    cfg = {"gradient_mb": 100, "compute_ms": 300, "bandwidth": "100gbit", "workers": 4, "comm_floor_ms": 50}
+    assert pm.predict_config(cfg).iteration_ms == approx(350.0)
+    with pytest.raises(PerfModelError, match="comm_floor_ms"):
+        pm.predict(m, "none", flat(), 4, comm_floor_ms=-1)
+
+
+def test_cli_comm_floor(capsys):
+    rc = pm.main(["--gradient-mb", "100", "--compute-ms", "300", "--workers", "4", "--bandwidth", "100gbit",
+                  "--comm-floor-ms", "50", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["comm_ms"] == approx(50.0)
+
+
 def test_throughput():
     m = Model.from_mb(100, compute_ms=300, batch_size=128)
     p = pm.predict(m, "none", flat(), 4, overlap=True)        # T = 1300 ms

@@ -78,7 +78,14 @@ default f = 2/3 [assumption]), while the codec competes with compute for the GPU
 
     T = t_encode + t_decode + (1 − f)·t_compute + max(f·t_compute, t_comm)
 
-(f = 1 gives ``t_codec + max(t_compute, t_comm)``). Throughput = ``M · batch / T`` samples/s with a
+(f = 1 gives ``t_codec + max(t_compute, t_comm)``). A measured **communication floor** ``t_floor`` (``comm_floor_ms``,
+default 0) bounds the communication from below: ``t_comm ← max(t_comm, t_floor)``. It is the time one
+iteration's collectives take on a link so fast that their bytes cost nothing — synchronising the
+workers and the software cost of each collective — measured for the same compressor, model and worker
+count (``benchmarks/validate_perfmodel.py --floor-from``); the max, not a sum, because that cost
+overlaps the transfers once they are slow [decided from the emulated-network runs,
+docs/performance.md]. A floor measured at one worker count is not scaled to others. The fp32 baseline
+of ``speedup_vs_fp32`` has no floor. Throughput = ``M · batch / T`` samples/s with a
 batch size per GPU, else ``1/T`` iterations/s. ``speedup_vs_fp32 = T_fp32 / T`` with the same
 protocol, formula, cluster and overlap. ``protocol="auto"`` picks as gradq.comm.choose_protocol:
 ``allreduce`` for summable codes while M·s ≤ 127 (fp32 and widths given as ``"4bit"`` included),

@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "(default off)")
     q.add_argument("--overlap-fraction", type=float, default=DEFAULT_OVERLAP_FRACTION,
                    help="share of compute that can hide communication (default 2/3, the backward pass)")
+    q.add_argument("--comm-floor-ms", type=float, default=0.0,
+                   help="measured floor of one iteration's communication: its time on a link so fast the bytes "
+                        "cost nothing (communication = max(alpha-beta time, floor); default 0)")
     o = parser.add_argument_group("output")
     o.add_argument("--workers", "-w", type=int, default=1, help="number of GPUs for one prediction (default 1)")
     o.add_argument("--sweep", nargs="?", const=_SWEEP_TEXT, metavar="COUNTS",
@@ -104,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _CONFIG_FROM_ARGS = ("network", "params", "gradient_mb", "gradient_bytes", "compute_ms", "batch_size", "messages",
                      "cluster", "bandwidth", "latency_us", "gpus_per_node", "intra_bandwidth", "intra_latency_us",
                      "sum_bits", "encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb", "protocol",
-                     "formula", "overlap", "overlap_fraction", "ps_requantize", "ps_servers", "speedup")
+                     "formula", "overlap", "overlap_fraction", "ps_requantize", "ps_servers", "comm_floor_ms",
+                     "speedup")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -165,7 +165,7 @@ class Prediction:
 def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster | str, workers: int, *,
             protocol: str = "allreduce", formula: str = "ring", overlap: bool = False,
             overlap_fraction: float = DEFAULT_OVERLAP_FRACTION, ps_requantize: bool = False,
-            ps_servers: int = 1, speedup: bool = False) -> Prediction:
+            ps_servers: int = 1, comm_floor_ms: float = 0.0, speedup: bool = False) -> Prediction:
     """Predicted time of one iteration of ``model`` on ``workers`` GPUs of ``cluster``.
 
     Args:
@@ -178,6 +178,9 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
         overlap_fraction: in [0, 1], default 2/3 (the backward pass) [assumption].
         ps_requantize: ``ps``: the server sends the average re-encoded (else fp32). Default False.
         ps_servers: ``ps``: number of servers sharing the gradient (default 1).
+        comm_floor_ms: measured floor of one iteration's communication (default 0: none): the time its
+            collectives take on a link fast enough that the bytes cost nothing (synchronising the
+            workers, software cost per collective). Communication is ``max(t_comm, floor)``.
         speedup: also predict the fp32 baseline (same protocol and cluster) and set ``speedup_vs_fp32``.
     """
     m = network_preset(model) if isinstance(model, str) else model
@@ -186,6 +189,7 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PerfModelError(f"workers must be an integer >= 1, got {workers!r}")
     f = check_nonneg("overlap_fraction", overlap_fraction)
+    floor = check_nonneg("comm_floor_ms", comm_floor_ms)
     if f > 1:
         raise PerfModelError(f"overlap_fraction must lie in [0, 1], got {overlap_fraction!r}")
     if isinstance(ps_servers, bool) or not isinstance(ps_servers, int) or ps_servers < 1:
@@ -200,7 +204,7 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
     enc1, dec1 = (0.0, 0.0) if c.is_fp32 else c.codec_ms(m.grad_bytes)
     fe, fd = codec_factors(proto, workers, ps_requantize=ps_requantize, ps_servers=ps_servers)
     enc, dec = fe * enc1, fd * dec1
-    comm = 1e3 * (cost.intra_s + cost.inter_s)
+    comm = max(1e3 * (cost.intra_s + cost.inter_s), floor) if workers > 1 else 0.0
     t_c = m.compute_ms
     if overlap:   # T = t_codec + (1 − f)·t_compute + max(f·t_compute, t_comm)
         total = enc + dec + (1.0 - f) * t_c + max(f * t_c, comm)
@@ -298,7 +302,7 @@ _SETUP_KEYS = ("network", "params", "gradient_mb", "gradient_bytes", "compute_ms
                "cluster", "bandwidth", "latency_us", "gpus_per_node", "intra_bandwidth", "intra_latency_us")
 _CODEC_KEYS = ("sum_bits", "encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb")
 _PREDICT_KEYS = ("workers", "protocol", "formula", "overlap", "overlap_fraction", "ps_requantize", "ps_servers",
-                 "speedup")
+                 "comm_floor_ms", "speedup")
 #: every key :func:`predict_config` reads (plus ``compressor``)
 CONFIG_KEYS = _SETUP_KEYS + _CODEC_KEYS + _PREDICT_KEYS + ("compressor",)
 
