@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -221,3 +222,11 @@ def test_write_report_without_matplotlib(runs_dir: Path, monkeypatch):
     out = runs_dir.parent / "out"
     md_path, _ = write_report([runs_dir / "fp32-s0"], out)
     assert md_path == out / "report.md" and "- `../runs/fp32-s0` — **fp32**" in md_path.read_text(encoding="utf-8")
+
+
+def test_either_report_module_imports_first():
+    # report.py and report_figures.py import each other; a fresh interpreter must accept either first
+    for first in ("from gradq.train.report_figures import have_matplotlib",
+                  "from gradq.train.report import make_figures, have_matplotlib"):
+        done = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr

@@ -327,6 +327,8 @@ def write_report(paths: Sequence[str | Path] | str | Path, out_dir: Optional[str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(runs, target=target)
+    from .report_figures import have_matplotlib, make_figures
+
     figures = make_figures(runs, out, target=target)
     n_groups = len(rows)
     lines = [f"# {title or 'gradq training report'}", "",
@@ -349,4 +351,11 @@ def write_report(paths: Sequence[str | Path] | str | Path, out_dir: Optional[str
     return md, figures
 
 
-from .report_figures import have_matplotlib, make_figures  # noqa: E402  (figures need the names above)
+def __getattr__(name: str) -> Any:
+    """``make_figures`` and ``have_matplotlib`` live in :mod:`.report_figures`, which imports this module;
+    they are fetched on first use so that either module can be imported first."""
+    if name in ("make_figures", "have_matplotlib"):
+        from . import report_figures
+
+        return getattr(report_figures, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
