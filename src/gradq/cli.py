@@ -8,6 +8,8 @@
   PowerSGD hook; prints the table and writes the figures.
 * ``gradq perfmodel ...`` — projected time per iteration and throughput against the number of GPUs
   (:mod:`gradq.perfmodel`).
+* ``gradq convex tradeoff|qsvrg|async|gd`` — the QSGD paper's convex experiments on problems with a known
+  optimum (:mod:`gradq.convex`).
 * ``gradq list`` — every scheme with its parameters and defaults.
 * ``gradq compare --compressor SPEC ... | --all`` — quantize one real model's gradients with each spec
   and print bits/coordinate, relative error and bias (no training).
@@ -134,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     from .perfmodel import add_arguments as perfmodel_arguments
 
     perfmodel_arguments(sub.add_parser("perfmodel", help="projected time per iteration and throughput vs GPUs"))
+    from .convex.cli import add_arguments as convex_arguments
+
+    convex_arguments(sub.add_parser("convex", help="the QSGD paper's convex experiments (trade-off, QSVRG, async, GD)"))
     r = sub.add_parser("report", help="figures and a markdown table from run directories")
     r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or folders holding them")
     r.add_argument("--out", default=None, metavar="DIR", help="where report.md and the PNGs go")
@@ -247,6 +252,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .perfmodel import run as perfmodel_run
 
             return perfmodel_run(args)
+        if args.command == "convex":
+            from .convex.cli import run as convex_run
+
+            return convex_run(args)
         if args.trials < 2:
             raise GradqError("--trials must be at least 2 (the bias estimate needs several encodes)")
         return _cmd_compare(args, COMPARE_SPECS if args.all else args.compressor)
