@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .problems import ConvexProblem, make_problem
-from .runlog import DivergedError, group_by_label, load_summaries, open_log, run_subdir
+from .runlog import DivergedError, open_log, run_subdir, summary_groups
 
 __all__ = ["top_sign_quantize", "top_sign_bits", "step_contraction_bound", "GDConfig", "run_gd", "run_gd_one",
            "gd_table", "TOPSIGN"]
@@ -168,12 +168,8 @@ def gd_table(source: str | Path | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per method: ``method``, ``iters_to_eps``, ``bits_per_iter``, ``fp32_bits_per_iter``,
     ``bits_to_eps``, ``mean_k`` / ``max_k`` / ``k_bound`` (kept components vs ⌈√n⌉), ``contraction`` (geometric
     mean per iteration), ``worst_ratio`` and ``rate_bound`` (the guaranteed per-step contraction)."""
-    if isinstance(source, (str, Path)):
-        pairs = [(c, s) for c, s in load_summaries(source) if c.get("experiment") == "gd"]
-    else:
-        pairs = [({"label": r["label"]}, r) for r in source]
     rows = []
-    for label, items in group_by_label(pairs).items():
+    for label, items in summary_groups(source, "gd").items():
         s = items[0][1]
         rows.append({"method": label, "iters_to_eps": s.get("iterations_to_eps"),
                      "bits_per_iter": s.get("bits_per_iteration"),

@@ -43,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .problems import ConvexProblem, make_problem, shard
-from .runlog import DivergedError, group_by_label, load_summaries, open_log, run_subdir
+from .runlog import DivergedError, open_log, run_subdir, summary_groups
 from .tradeoff import Channel, qsgd_spec, step_size
 
 __all__ = ["QSVRGConfig", "run_qsvrg", "run_qsvrg_one", "run_plain_qsgd_one", "fit_contraction", "qsvrg_table"]
@@ -233,12 +233,8 @@ def qsvrg_table(source: str | Path | list[dict[str, Any]]) -> list[dict[str, Any
     ``bits_per_epoch`` (all workers, on the wire), ``bits_per_epoch_data`` (without gradq's payload
     headers), ``thm3.6_bits_per_epoch`` (Theorem 3.6's bound, QSVRG only), ``blowup`` (measured
     quantization variance blow-up)."""
-    if isinstance(source, (str, Path)):
-        pairs = [(c, s) for c, s in load_summaries(source) if c.get("experiment") == "qsvrg"]
-    else:
-        pairs = [({"label": r["label"]}, r) for r in source]
     rows = []
-    for label, items in group_by_label(pairs).items():
+    for label, items in summary_groups(source, "qsvrg").items():
         sums = [s for _, s in items]
         finals = [max(float(s["final_suboptimality"]), 1e-300) for s in sums]
         contr = [s["contraction_per_epoch"] for s in sums if s.get("contraction_per_epoch") is not None]

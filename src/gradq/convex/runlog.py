@@ -32,7 +32,7 @@ import torch
 from ..errors import GradqError
 
 __all__ = ["DivergedError", "RunLog", "NullLog", "open_log", "run_subdir", "jsonable", "load_summaries",
-           "group_by_label", "format_table", "check_out_dir", "parse_seeds"]
+           "group_by_label", "summary_groups", "format_table", "check_out_dir", "parse_seeds"]
 
 _REQUIRED = ("label", "compressor", "experiment")
 
@@ -184,6 +184,18 @@ def group_by_label(pairs: list[tuple[dict[str, Any], dict[str, Any]]]
     for config, summary in pairs:
         groups.setdefault(str(config.get("label", "?")), []).append((config, summary))
     return groups
+
+
+def summary_groups(source: str | os.PathLike | list[dict[str, Any]], experiment: str
+                   ) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """The summaries an experiment's table is built from, grouped by label: from a run folder (only the
+    runs whose config names ``experiment``) or from the rows a ``run_*`` function returned (each with a
+    ``label``)."""
+    if isinstance(source, (str, os.PathLike)):
+        pairs = [(c, s) for c, s in load_summaries(source) if c.get("experiment") == experiment]
+    else:
+        pairs = [({"label": r["label"]}, r) for r in source]
+    return group_by_label(pairs)
 
 
 def _cell(value: Any) -> str:

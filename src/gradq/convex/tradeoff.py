@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .problems import ConvexProblem, make_problem, shard
-from .runlog import DivergedError, group_by_label, load_summaries, open_log, run_subdir
+from .runlog import DivergedError, open_log, run_subdir, summary_groups
 
 __all__ = ["TradeoffConfig", "Channel", "auto_levels", "variance_bound", "expected_blowup", "qsgd_spec",
            "run_tradeoff", "run_tradeoff_one", "tradeoff_table", "plot_tradeoff", "step_size"]
@@ -289,12 +289,7 @@ def tradeoff_table(source: str | Path | list[dict[str, Any]]) -> list[dict[str, 
     same without gradq's 26–31-byte payload header), ``bits_per_iter_fixed`` (fixed-width codes, header
     included), ``bits_to_eps`` (on the wire) and ``data_bits_to_eps`` (without the payload headers).
     """
-    if isinstance(source, (str, Path)):
-        pairs = load_summaries(source)
-        pairs = [(c, s) for c, s in pairs if c.get("experiment") == "tradeoff"]
-    else:
-        pairs = [({"label": r["label"]}, r) for r in source]
-    groups = group_by_label(pairs)
+    groups = summary_groups(source, "tradeoff")
     rows = []
     for label, items in groups.items():
         sums = [s for _, s in items]
