@@ -61,3 +61,21 @@ def ref_omega(k: int) -> str:
         out = format(k, "b") + out
         k = k.bit_length() - 1
     return out
+
+
+def init_gloo(tmp: str, rank: int, world: int, **kw) -> None:
+    """Start a gloo group for a spawned test rank (file rendezvous in ``tmp``: no ports), in the order
+    gradq needs for a clean exit (``torch._dynamo`` loaded first; see gradq.comm.lifecycle)."""
+    import torch.distributed as dist
+
+    from gradq.comm import lifecycle
+
+    lifecycle.before_init()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world, **kw)
+
+
+def teardown() -> None:
+    """End a spawned test rank: gradq's threads, garbage, then the process group (gradq.teardown)."""
+    from gradq.comm import lifecycle
+
+    lifecycle.teardown()

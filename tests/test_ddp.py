@@ -13,6 +13,7 @@ import os
 import pickle
 
 import pytest
+import gradq_testing
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -108,7 +109,7 @@ def resume_run(spec: str, kw: dict, rank: int, split: int, total: int):
 def _child(rank: int, world: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
+    gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
 
     # 1. `none` through the hook == DDP without a hook (two steps: the second uses rebuilt buckets)
@@ -236,7 +237,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
     except Exception as e:  # noqa: BLE001
         res["mismatch"] = str(e)
     torch.save(res, f"{tmp}/out{rank}.pt")
-    dist.destroy_process_group()
+    gradq_testing.teardown()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import gradq_testing
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,7 +34,7 @@ def ddp(**kw) -> DDP:
 def _child(rank: int, world: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
+    gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
 
     # none through the hook == DDP without a hook, also with gradient_as_bucket_view
@@ -93,7 +94,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
     except Exception as e:  # noqa: BLE001
         res["mismatch"] = str(e)
     torch.save(res, f"{tmp}/out{rank}.pt")
-    dist.destroy_process_group()
+    gradq_testing.teardown()
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,25 @@ Build any scheme from a spec string and move its bytes::
 ``gradq.available()`` lists every scheme; ``docs/algorithms.md`` states their math and wire sizes.
 """
 
-from .errors import GradqError, NonFiniteError, PayloadError, SpecError
+from .comm import lifecycle as _lifecycle
+
+if _lifecycle._launched_worker():  # under torchrun & co.: before the script creates its process group
+    _lifecycle.before_init()
+
+from .errors import CommunicationError, GradqError, NonFiniteError, PayloadError, SpecError
 from .payload import Payload
 from .quantizers import Quantizer, SharedStat, SummableQuantizer
 from .spec import available, build, registry
 from .transforms import ErrorFeedback
 from .ddp import GradqState, register
 from .comm import allreduce_
+from .comm.lifecycle import teardown
 
 __version__ = "0.1.0"
 
 __all__ = [
     "build", "available", "registry", "Quantizer", "SummableQuantizer", "SharedStat", "Payload",
-    "ErrorFeedback", "GradqState", "register", "allreduce_", "GradqError", "SpecError", "PayloadError", "NonFiniteError",
+    "ErrorFeedback", "GradqState", "register", "allreduce_", "teardown", "GradqError", "SpecError", "PayloadError", "NonFiniteError",
+    "CommunicationError",
     "__version__",
 ]

@@ -113,6 +113,10 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
                        help="a parameter name left uncompressed (repeatable)")
         c.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
         c.add_argument("--log-every", type=int, default=1, help="write a step row every N steps")
+        c.add_argument("--comm-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="seconds a collective may wait for the other ranks before the run fails with an "
+                            "error naming the step (default 300: a dead rank is noticed at once, a stalled "
+                            "one after this)")
         c.add_argument("--target", type=float, default=None,
                        help="test accuracy (fraction) for the time-to-target column")
         c.add_argument("--force", action="store_true", help="overwrite run directories that hold other runs")
@@ -169,7 +173,7 @@ def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any)
         raise GradqError("--seeds names no seed")
     keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
             "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "uncompressed",
-            "backend", "log_every", "workers", "network")
+            "backend", "log_every", "workers", "network", "comm_timeout")
     base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     base.update(fixed)
     return [TrainConfig(compressor=c, seed=s, **base) for c in compressors for s in seeds]

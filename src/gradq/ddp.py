@@ -58,18 +58,22 @@ import torch.distributed as dist
 
 from .comm import derive_seed
 from .comm.api import average, choose_protocol
+from .comm._util import check_timeout, collective, time_limit
 from .comm.allreduce import allreduce_bytes_per_worker
-from .errors import NonFiniteError
+from .errors import CommunicationError, NonFiniteError
 from .quantizers.base import Quantizer
 from .spec import build
 from .transforms import ErrorFeedback
 
-__all__ = ["GradqState", "gradq_hook", "register"]
+__all__ = ["GradqState", "gradq_hook", "register", "DEFAULT_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "allreduce", "scatter", "allgather", "ps")
 NAN_POLICIES = ("raise", "skip")
+#: seconds a collective of the hook may wait for the other ranks before the step fails (``timeout=``):
+#: long enough for a first step that compiles kernels on a loaded machine, far below gloo's 30 minutes
+DEFAULT_TIMEOUT = 300.0
 
 
 class GradqState:
@@ -92,6 +96,12 @@ class GradqState:
             the exact average (costs one extra float32 all-reduce of those parameters per step).
         module: the model (or DDP wrapper) whose ``named_parameters`` name the bucket's parameters;
             may be given later with :meth:`bind`.
+        timeout: seconds each of the hook's collectives may wait for the other ranks (default
+            :data:`DEFAULT_TIMEOUT`, 300 s; ``None`` keeps the process group's own limit, 30 minutes on
+            gloo). When a rank dies, the others fail at once (its connections close); when it stalls,
+            they fail after ``timeout``: every rank raises :class:`gradq.CommunicationError` naming the
+            step and the collective it was waiting for. The group's own limit is restored after each
+            bucket, so the caller's other collectives (evaluation barriers…) keep theirs.
 
     Attributes: ``step`` (completed hook steps), ``skipped_steps``, ``last_stats`` (dict of the last step:
     ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds`` in the
@@ -104,7 +114,8 @@ class GradqState:
     def __init__(self, spec: str | Quantizer, strategy: str = "auto", *, process_group: Any = None,
                  seed: int = 0, min_numel: int = 10_000, keep_1d_fp32: bool = True,
                  uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
-                 measure_error: bool = False, module: Optional[torch.nn.Module] = None) -> None:
+                 measure_error: bool = False, module: Optional[torch.nn.Module] = None,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if nan_policy not in NAN_POLICIES:
@@ -115,6 +126,7 @@ class GradqState:
             raise ValueError("min_numel and warmup_steps must be non-negative")
         if isinstance(uncompressed, str):
             raise TypeError("uncompressed must be an iterable of parameter names, not one string")
+        self.timeout: Optional[float] = check_timeout(timeout)
         self.quantizer: Quantizer = build(spec)
         if strategy == "allreduce" and not self.quantizer.summable:
             raise ValueError(f"strategy='allreduce' needs a summable quantizer; {self.quantizer.spec!r} is not "
@@ -183,7 +195,8 @@ class GradqState:
         keys = list(items)
         vals = [zlib.crc32(repr(items[k]).encode("utf-8")) for k in keys]
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        collective("the check that every rank registered the same settings", dist.all_reduce, t,
+                   op=dist.ReduceOp.MAX, group=self.process_group)
         hi, lo = t[: len(keys)].tolist(), [-v for v in t[len(keys):].tolist()]
         bad = [k for i, k in enumerate(keys) if hi[i] != lo[i]]
         if bad:
@@ -262,11 +275,27 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     """DDP communication hook: average the bucket's gradients, quantizing the parameters outside the
     float32 policy (module docstring). Synchronous: the returned future is already completed.
 
+    Raises :class:`gradq.CommunicationError` (naming the step and the collective) when another rank
+    dies or stalls past ``state.timeout``.
+
     Example::
 
         state = GradqState("qsgd:bits=4", module=ddp_model)
         ddp_model.register_comm_hook(state, gradq_hook)
     """
+    try:
+        with time_limit(state.process_group, state.timeout):
+            return _hook(state, bucket)
+    except CommunicationError as exc:
+        if exc.step is not None:
+            raise
+        err = exc.within(f"gradq_hook: step {state.step} (bucket {bucket.index()})", step=state.step)
+        err.args = (f"{err}. The process group cannot be used any more; end this process (the other ranks "
+                    "fail the same way).",)
+        raise err from exc
+
+
+def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     t0 = time.perf_counter()
     group = state.process_group
     buf = bucket.buffer()
@@ -294,7 +323,8 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     # non-finite check, agreed by all ranks so that nobody waits in a collective alone
     local_bad = not bool(torch.isfinite(buf.sum(dtype=torch.float32))) if buf.numel() else False
     flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=buf.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    collective(f"the agreement on non-finite values (bucket {bucket.index()})", dist.all_reduce, flag,
+               op=dist.ReduceOp.MAX, group=group)
     if int(flag) or pend["skip"]:
         if state.nan_policy == "raise":
             bad = [n for n, v in zip(names, views) if not bool(torch.isfinite(v).all())]
@@ -347,7 +377,7 @@ def _quantized_average(state: GradqState, strategy: str, v: torch.Tensor, name: 
     exact = None
     if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
         exact = v.detach().clone()
-        dist.all_reduce(exact, group=group)
+        collective("the exact all-reduce for the error measurement", dist.all_reduce, exact, group=group)
         exact.div_(world)
     pend["bytes_sent"] += _communicate(state, strategy, v, name, seed, rank)
     pend["quantized_coords"] += v.numel()
@@ -389,7 +419,7 @@ def _reduce_fp32(state: GradqState, group: Any, world: int) -> None:
         return
     t = time.perf_counter()
     flat = torch.cat([v.reshape(-1) for _, v in parts])
-    dist.all_reduce(flat, group=group)
+    collective(f"the float32 all-reduce of {flat.numel()} values", dist.all_reduce, flat, group=group)
     flat.div_(world)
     for (_, v), part in zip(parts, torch.split(flat, [v.numel() for _, v in parts])):
         v.copy_(part.view_as(v))

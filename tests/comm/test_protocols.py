@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import gradq_testing
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -55,7 +56,7 @@ def _key(proto, spec, n, kw):
 def _child(rank: int, world: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
+    gradq_testing.init_gloo(tmp, rank, world)
     fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
            "allreduce": shared_scale_allreduce}
     res: dict = {}
@@ -87,7 +88,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
     except ValueError as e:
         res["mismatch"] = str(e)
     torch.save(res, f"{tmp}/out{rank}.pt")
-    dist.destroy_process_group()
+    gradq_testing.teardown()
 
 
 def _mean(parts):

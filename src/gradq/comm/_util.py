@@ -5,16 +5,101 @@ from __future__ import annotations
 import time
 import zlib
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..errors import CommunicationError, GradqError
 from ..payload import Payload
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_T = TypeVar("_T")
+
+
+# -- failures and time limits ----------------------------------------------------------------------
+def describe_failure(exc: BaseException, timeout: Optional[float]) -> str:
+    """What a backend error means, in a few words (gloo's messages are matched, anything else kept)."""
+    text = str(exc)
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        limit = f" within {timeout:g} s" if timeout is not None else ""
+        return f"no answer{limit} (a rank stalled, died or left the step)"
+    if "closed by peer" in low or "connection reset" in low or "broken pipe" in low or "eof" in low:
+        return "a peer closed its connection (that rank died or exited)"
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def collective(what: str, fn: Callable[..., _T], *args: Any, group: Any = None, **kw: Any) -> _T:
+    """Run one collective ``fn(*args, group=group, **kw)``; a backend failure becomes a
+    :class:`CommunicationError` that names ``what`` this rank was waiting for."""
+    try:
+        return fn(*args, group=group, **kw)
+    except GradqError:
+        raise
+    except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
+        limit = group_timeout(group)
+        reason = describe_failure(exc, limit)
+        raise CommunicationError(f"{what}: {reason} [{type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}]",
+                                 waiting_for=what, reason=reason, timeout=limit, cause=exc) from exc
+
+
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    """``timeout`` as float seconds (or None); anything else but a positive number is refused."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _backend_of(group: Any):
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    for dev in ("cpu", "cuda"):
+        try:
+            return pg, pg._get_backend(torch.device(dev))
+        except Exception:  # no backend for that device type
+            continue
+    return pg, None
+
+
+def group_timeout(group: Any) -> Optional[float]:
+    """The time limit, in seconds, that ``group``'s collectives run under now (None if unknown)."""
+    try:
+        _, backend = _backend_of(group)
+        limit = backend.options._timeout if backend is not None else None
+    except Exception:
+        return None
+    return None if limit is None else limit.total_seconds()
+
+
+@contextmanager
+def time_limit(group: Any, seconds: Optional[float]) -> Iterator[None]:
+    """Run the block's collectives on ``group`` under a limit of ``seconds`` (``None``: the group's
+    own), restoring the group's limit afterwards. A collective that a peer does not join in time then
+    raises instead of waiting for the group's default (30 minutes on gloo)."""
+    if seconds is None or not dist.is_initialized():
+        yield
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    old = group_timeout(group)
+    if old is not None and abs(old - seconds) < 1e-3:
+        yield
+        return
+    pg = group if group is not None else c10d._get_default_group()
+    c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
+    try:
+        yield
+    finally:
+        if old is not None:
+            c10d._set_pg_timeout(timedelta(seconds=old), pg)
 
 
 def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[int] = (),
@@ -36,7 +121,8 @@ def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[
         return rank, world
     vals = [x.numel(), zlib.crc32(q.spec.encode("utf-8")), *[int(e) for e in extra]]
     t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=x.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    collective(f"{fn}'s check that every rank passes the same size and quantizer", dist.all_reduce, t,
+               op=dist.ReduceOp.MAX, group=group)
     hi, neg_lo = t[: len(vals)].tolist(), t[len(vals):].tolist()
     what = ["numel", "quantizer spec", *[f"argument {i}" for i in range(len(extra))]]
     for i, w in enumerate(what):
@@ -75,7 +161,7 @@ def decode_bytes(q: Quantizer, buf: torch.Tensor, shape: Sequence[int], dtype: t
     return q.decode(q.payload_from_bytes(buf, shape, dtype))
 
 
-def gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     """``all_gather_single`` (torch ≥ 2.12's name) or ``all_gather_into_tensor`` (earlier)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
@@ -111,8 +197,19 @@ def ring_all_gather(buf: torch.Tensor, group, sizes: Optional[Sequence[int]] = N
         if sizes[r]:
             ops.append(dist.P2POp(dist.irecv, blocks[r], prv, group))
         if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            limit = group_timeout(group)
+            try:
+                for w in dist.batch_isend_irecv(ops):
+                    # point-to-point waits ignore the group's limit on gloo: pass it explicitly
+                    if limit is not None:
+                        w.wait(timedelta(seconds=limit))
+                    else:
+                        w.wait()
+            except RuntimeError as exc:
+                what = f"the ring all-gather (round {k + 1} of {world - 1}, from rank {prv}, to rank {nxt})"
+                reason = describe_failure(exc, limit)
+                raise CommunicationError(f"{what}: {reason}", waiting_for=what, reason=reason, timeout=limit,
+                                         cause=exc) from exc
     return blocks
 
 
@@ -130,14 +227,14 @@ def all_gather_bytes(buf: torch.Tensor, fixed: Optional[int], group) -> list[tor
     else:
         n = torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device)
         got = torch.empty(world, dtype=torch.int64, device=buf.device)
-        gather_into(got, n, group)
+        collective("the all-gather of the payload sizes", gather_into, got, n, group=group)
         sizes = [int(s) for s in got.tolist()]
     if dist.get_backend(group) == "gloo":
         return ring_all_gather(buf, group, sizes)
     width = max(sizes)
     send = buf if buf.numel() == width else torch.cat([buf, buf.new_zeros(width - buf.numel())])
     out = torch.empty(world * width, dtype=torch.uint8, device=buf.device)
-    gather_into(out, send, group)
+    collective("the all-gather of the payloads", gather_into, out, send, group=group)
     return [out[j * width: j * width + s] for j, s in enumerate(sizes)]
 
 

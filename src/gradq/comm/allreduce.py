@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, phase
+from ._util import check_inputs, collective, phase
 
 __all__ = ["shared_scale_allreduce", "code_dtype", "reduce_dtype", "allreduce_bytes_per_worker"]
 
@@ -114,7 +114,8 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         t = value.detach().to(wire).contiguous().clone()
         with phase(info, "comm"):
             if t.numel():
-                dist.all_reduce(t, op=_OPS[op], group=group)
+                collective(f"the all-reduce of the shared statistic {key!r}", dist.all_reduce, t, op=_OPS[op],
+                           group=group)
         reduced[key] = t.to(value.dtype)
 
     max_code = q.max_code  # type: ignore[attr-defined]
@@ -131,7 +132,8 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         total = fields.to(wire) if wide else fields
         with phase(info, "comm"):
             if total.numel():
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                collective("the integer all-reduce of the codes", dist.all_reduce, total, op=dist.ReduceOp.SUM,
+                           group=group)
         with phase(info, "decode"):
             out = q.decode_field_sum(total, shared=reduced, count=world, like=x)
     else:
@@ -143,7 +145,8 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         total = codes.to(wire).contiguous()
         with phase(info, "comm"):
             if total.numel():
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                collective("the integer all-reduce of the codes", dist.all_reduce, total, op=dist.ReduceOp.SUM,
+                           group=group)
         with phase(info, "decode"):
             out = q.decode_codes(total, shared=reduced, count=world, like=x,  # type: ignore[attr-defined]
                                  shared_seed=shared_seed)

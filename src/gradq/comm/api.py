@@ -15,12 +15,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from ..errors import CommunicationError
 from ..quantizers.base import Quantizer
 from ..spec import build
 from . import derive_seed
 from .allgather import allgather_mean
 from .allreduce import shared_scale_allreduce
-from ._util import phase
+from ._util import check_timeout, phase, time_limit
 from .ps import parameter_server_mean
 from .scatter import scatter_allgather
 
@@ -88,13 +89,17 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
 
 def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: Union[str, Quantizer], *,
                group: Any = None, protocol: str = "auto", seed: int = 0,
-               names: Optional[Sequence[str]] = None) -> dict[str, Any]:
+               names: Optional[Sequence[str]] = None, timeout: Optional[float] = 300.0) -> dict[str, Any]:
     """Replace every tensor, in place, by its quantized average over the workers of ``group``.
 
     For custom loops without DDP: call it on the gradients after ``backward()`` on every rank, with the
     same quantizer, protocol and ``seed`` everywhere (vary ``seed`` per step, e.g. the step number, so
     the rounding noise is fresh). Each tensor is quantized on its own (layer-wise schemes see layers);
     ``names`` key per-tensor state such as error-feedback residuals (default ``"0"``, ``"1"``, …).
+
+    ``timeout``: seconds each collective may wait for the other ranks (default 300; ``None``: the
+    group's own limit); a rank that died or stalled makes the others raise
+    :class:`gradq.CommunicationError` naming the tensor and the collective.
 
     Returns ``{"protocol", "bytes_sent", "numel"}`` for this call.
 
@@ -114,14 +119,20 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
         protocol = "local"
     elif protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
+    timeout = check_timeout(timeout)
     rank = dist.get_rank(group) if world > 1 else 0
     sent = numel = 0
     for t, name in zip(ts, names):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"allreduce_ needs floating-point tensors; {name!r} is "
                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
-        _, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name, rank=rank,
-                       out=t)
+    for t, name in zip(ts, names):
+        try:
+            with time_limit(group if world > 1 else None, timeout if world > 1 else None):
+                _, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name,
+                               rank=rank, out=t)
+        except CommunicationError as exc:
+            raise exc.within(f"allreduce_: tensor {name!r}") from exc
         sent += b
         numel += t.numel()
     return {"protocol": protocol, "bytes_sent": sent, "numel": numel}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, decode_bytes, mean_in_order, payload_bytes, phase, plain
+from ._util import check_inputs, collective, decode_bytes, mean_in_order, payload_bytes, phase, plain
 
 __all__ = ["parameter_server_mean"]
 
@@ -68,22 +68,22 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
     else:
         n_t = torch.tensor([buf.numel()], dtype=torch.int64, device=dev)
         got = [torch.empty_like(n_t) for _ in range(world)] if rank == server else None
-        dist.gather(n_t, got, dst=src, group=group)
+        collective("the gather of the payload sizes at the server", dist.gather, n_t, got, dst=src, group=group)
         # only the server knows the sizes; workers pad to their own (the server pads nothing it receives)
         sizes = [int(t) for t in torch.cat(got).tolist()] if got is not None else []
         w_t = torch.tensor([max(sizes) if sizes else 0], dtype=torch.int64, device=dev)
-        dist.broadcast(w_t, src=src, group=group)
+        collective("the broadcast of the payload width", dist.broadcast, w_t, src=src, group=group)
         width = int(w_t)
     send = buf if buf.numel() == width else torch.cat([buf, buf.new_zeros(width - buf.numel())])
     recv = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == server else None
-    dist.gather(send, recv, dst=src, group=group)
+    collective("the gather of the payloads at the server", dist.gather, send, recv, dst=src, group=group)
 
     q2 = plain(q)
     if rank == server:
         avg = mean_in_order([decode_bytes(q, b[:s], x.shape, x.dtype) for b, s in zip(recv, sizes)])
     if not requantize:
         out = avg if rank == server else torch.empty(x.numel(), dtype=torch.float32, device=dev)
-        dist.broadcast(out, src=src, group=group)
+        collective("the broadcast of the average", dist.broadcast, out, src=src, group=group)
         pull = 4 * x.numel()
     else:
         fixed2 = q2.expected_nbytes(x.numel())
@@ -91,11 +91,11 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
             b2 = payload_bytes(q2.encode(avg.reshape(x.shape), seed=derive_seed(seed, server, "server")))
         if fixed2 is None:
             size = torch.tensor([b2.numel() if rank == server else 0], dtype=torch.int64, device=dev)
-            dist.broadcast(size, src=src, group=group)
+            collective("the broadcast of the average's size", dist.broadcast, size, src=src, group=group)
             fixed2 = int(size)
         if rank != server:
             b2 = torch.empty(fixed2, dtype=torch.uint8, device=dev)
-        dist.broadcast(b2, src=src, group=group)
+        collective("the broadcast of the re-encoded average", dist.broadcast, b2, src=src, group=group)
         out = decode_bytes(q2, b2, x.shape, x.dtype)
         pull = fixed2
     if info is not None:  # the server's decode and re-encode count as waiting for the others

@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
-from ._util import all_gather_bytes, check_inputs, payload_bytes, phase, plain
+from . import lifecycle
+from ._util import all_gather_bytes, check_inputs, collective, payload_bytes, phase, plain
 
 __all__ = ["scatter_allgather", "scatter_bytes_per_worker", "SEGMENT_NUMEL"]
 
@@ -101,11 +102,11 @@ def _exchange(send: torch.Tensor, send_sizes: list[int], fixed: Optional[int],
     else:
         s_in = torch.tensor(send_sizes, dtype=torch.int64, device=send.device)
         s_out = torch.empty_like(s_in)
-        dist.all_to_all_single(s_out, s_in, group=group)
+        collective("the all-to-all of the chunk payload sizes", dist.all_to_all_single, s_out, s_in, group=group)
         recv_sizes = [int(v) for v in s_out.tolist()]
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
-                           group=group)
+    collective("the all-to-all of the chunk payloads", dist.all_to_all_single, recv, send,
+               output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
     return recv, recv_sizes
 
 
@@ -120,19 +121,28 @@ class _Inline:
 
 
 class _CommLane:
-    """One daemon thread that runs communication jobs in the order they are submitted.
+    """One thread that runs communication jobs in the order they are submitted.
 
     Every rank submits the same jobs in the same program order, so the collectives match across
     ranks; meanwhile the calling thread encodes and decodes other segments (the numba kernels and
-    torch's ops release the GIL)."""
+    torch's ops release the GIL). :meth:`stop` ends and joins it (``gradq.comm.lifecycle`` does so
+    before interpreter shutdown and before destroying a process group); a stopped lane is replaced by a
+    new one on the next use."""
+
+    _STOP = object()
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="gradq-comm", daemon=True).start()
+        # daemon only as a last resort: stop() joins it before shutdown (see gradq.comm.lifecycle)
+        self._thread = threading.Thread(target=self._run, name="gradq-comm", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while True:
-            fn, fut = self._jobs.get()
+            item = self._jobs.get()
+            if item is self._STOP:
+                return
+            fn, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -145,6 +155,13 @@ class _CommLane:
         self._jobs.put((fn, fut))
         return fut
 
+    def stop(self, timeout: Optional[float] = 30.0) -> bool:
+        """Finish the queued jobs, end the thread and join it; False if it is still blocked after
+        ``timeout`` seconds (inside a collective that a peer never joins: the group's timeout ends it)."""
+        self._jobs.put(self._STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
 
 _LANE: Optional[_CommLane] = None
 _LANE_LOCK = threading.Lock()
@@ -156,6 +173,18 @@ def _lane() -> _CommLane:
         if _LANE is None:
             _LANE = _CommLane()
         return _LANE
+
+
+def stop_lane() -> None:
+    """Stop and join the communication lane if one runs (the next segmented call starts a new one)."""
+    global _LANE
+    with _LANE_LOCK:
+        lane, _LANE = _LANE, None
+    if lane is not None:
+        lane.stop()
+
+
+lifecycle.on_stop(stop_lane)
 
 
 def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,

@@ -105,7 +105,9 @@ def _entry(rank: int, cfg: dict[str, Any], problem: dict[str, Any], store: str, 
         else:
             _worker(rank, cfg, prob)
     finally:
-        dist.destroy_process_group()
+        from ..comm import lifecycle
+
+        lifecycle.teardown()
 
 
 def _one_kernel_thread(dim: int) -> None:

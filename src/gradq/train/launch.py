@@ -26,7 +26,7 @@ from .runner import TrainConfig, run_dir_name, train_worker
 __all__ = ["run_all", "under_torchrun", "finished"]
 
 #: settings that do not change a run's result (a finished run is reused whatever they say)
-_COSMETIC = ("progress",)
+_COSMETIC = ("progress", "comm_timeout")
 
 
 def under_torchrun() -> bool:
@@ -78,7 +78,13 @@ def run_all(configs: Sequence[TrainConfig], out: str | os.PathLike, *, force: bo
     if torchrun:
         import torch.distributed as dist
 
-        dist.init_process_group(configs[0].backend if configs else "gloo")
+        from ..comm import lifecycle
+
+        from datetime import timedelta
+
+        lifecycle.before_init()
+        limit = timedelta(seconds=configs[0].comm_timeout if configs else 300.0)
+        dist.init_process_group(configs[0].backend if configs else "gloo", timeout=limit)
     rank0 = not torchrun or int(os.environ.get("RANK", "0")) == 0
     try:
         for i, (cfg, d, run) in enumerate(zip(configs, dirs, todo)):
@@ -93,18 +99,24 @@ def run_all(configs: Sequence[TrainConfig], out: str | os.PathLike, *, force: bo
                 _local(cfg, d, net, timeout)
     finally:
         if torchrun:
-            import torch.distributed as dist
+            from ..comm import lifecycle
 
-            dist.destroy_process_group()
+            lifecycle.teardown()
     return dirs
 
 
 def _worker_main(argv: Sequence[str]) -> int:
     import torch
 
+    from ..errors import CommunicationError
+
     cfg = TrainConfig(**json.loads(argv[0]))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    train_worker(cfg, argv[1])
+    try:
+        train_worker(cfg, argv[1])
+    except CommunicationError as exc:  # a peer died or stalled: one clear line, not a traceback
+        print(f"gradq: rank {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -39,12 +39,15 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..comm._util import collective
 
 __all__ = ["TrainConfig", "train_worker", "baseline_kind", "run_dir_name"]
 
@@ -80,6 +83,7 @@ class TrainConfig:
     test_fraction: float = 0.2
     network: Optional[str] = None  # the emulated link rate the workers ran on (recorded; set by the launcher)
     progress: bool = True
+    comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks (hook and runner)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -91,6 +95,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if not self.comm_timeout > 0:
+            raise ValueError(f"comm_timeout must be positive, got {self.comm_timeout!r}")
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
         baseline_kind(self.compressor)  # a bad compressor fails here, before any process starts
@@ -230,7 +236,7 @@ def _install(ddp: nn.parallel.DistributedDataParallel, cfg: TrainConfig, world: 
 
         state = gradq.register(ddp, cfg.compressor, cfg.strategy, seed=cfg.seed, min_numel=cfg.min_numel,
                                warmup_steps=cfg.hook_warmup_steps, uncompressed=cfg.uncompressed,
-                               measure_error=cfg.measure_error)
+                               measure_error=cfg.measure_error, timeout=cfg.comm_timeout)
         # load the scheme's compiled kernels now, not inside the first timed step
         q = gradq.build(cfg.compressor)
         p = q.encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)), seed=0)
@@ -258,14 +264,18 @@ def train_worker(cfg: TrainConfig, out_dir: str | os.PathLike) -> Optional[dict[
     from .data import load_dataset
     from .models import build_model
 
+    from ..comm import lifecycle
+
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group(cfg.backend)
+        lifecycle.before_init()
+        dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.comm_timeout))
     try:
         return _train(cfg, Path(out_dir), load_dataset, build_model, __version__)
     finally:
-        if own_group:
-            dist.destroy_process_group()
+        # the run's DDP model and hook state are out of scope now: stop gradq's threads, collect them,
+        # and (when this call made the group) destroy it while the interpreter is alive
+        lifecycle.teardown(destroy=own_group)
 
 
 def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str) -> Optional[dict[str, Any]]:
@@ -368,7 +378,7 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                     bar.update(1)
                     bar.set_postfix(loss=f"{lv:.3f}", refresh=False)
             epoch_s = time.perf_counter() - t_epoch
-            dist.all_reduce(sums)  # (a few bytes; outside the timed steps)
+            collective(f"the all-reduce of epoch {epoch}'s training statistics", dist.all_reduce, sums)  # (a few bytes)
             row = {"kind": "epoch", "epoch": epoch, "step": step, "loss": float(sums[0] / sums[2]),
                    "train_accuracy": float(sums[1] / sums[2]), "wall_s": wall, "epoch_s": epoch_s, **acc,
                    "bits_per_coordinate": sum(bits) / len(bits),
@@ -378,7 +388,7 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                 write(row)
                 if bar is not None:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
-            dist.barrier()
+            collective(f"the barrier after epoch {epoch} (rank 0 evaluates)", dist.barrier)
             summary = row
         if rank == 0 and summary is not None:
             summary = {"kind": "summary", "epochs": cfg.epochs, "steps": step, "wall_s": wall,
