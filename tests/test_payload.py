@@ -164,7 +164,7 @@ def test_unsupported_field_dtype_is_refused_on_write():
         p.to_bytes()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(st.lists(st.tuples(st.integers(0, 48), st.integers(0, 255)), min_size=1, max_size=4),
        st.integers(-3, 3))
 def test_random_mutations_parse_or_raise_payload_error(edits, resize):

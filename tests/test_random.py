@@ -46,7 +46,7 @@ def test_high_counter_bits_matter():
     assert _u32(a.bits32(64)) != _u32(b.bits32(64))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.integers(0, 2**64 - 1), st.integers(0, 2**62), st.integers(1, 20))
 def test_bits32_property(seed, start, n):
     s = RandomStream(seed)

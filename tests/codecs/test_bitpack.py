@@ -175,7 +175,7 @@ def test_trits_validation():
 
 
 # -- properties ------------------------------------------------------------------------------------
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.integers(1, 8).flatmap(lambda w: st.tuples(st.just(w), st.lists(st.integers(0, (1 << w) - 1),
                                                                         max_size=150))))
 def test_bits_property(case):
@@ -185,7 +185,7 @@ def test_bits_property(case):
     assert unpack_bits(packed, width, len(codes)).tolist() == codes
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.integers(1, 8), st.integers(0, 100), st.binary(max_size=120))
 def test_unpack_arbitrary_bytes_never_misbehaves(width, n, raw):
     data = torch.tensor(list(raw), dtype=torch.uint8)
@@ -205,7 +205,7 @@ def test_unpack_arbitrary_bytes_never_misbehaves(width, n, raw):
         assert torch.equal(again[:-1], data[:-1]) and int(again[-1]) == int(data[-1]) & mask
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.lists(st.integers(0, 2), max_size=120))
 def test_trits_property(trits):
     packed = pack_trits(torch.tensor(trits, dtype=torch.int64))

@@ -177,7 +177,7 @@ def test_truncated_and_extended_messages():
 
 # ---- robustness: any corruption -> PayloadError or exactly `count` valid values ---------------------
 VALUES = st.lists(st.one_of(st.integers(1, 40), st.integers(1, MAX_VALUE)), min_size=0, max_size=40)
-ROBUST = settings(max_examples=1500, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+ROBUST = settings(max_examples=1500, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _check_decoder(dec, enc, data: bytes, count: int, gamma: bool) -> None:
@@ -225,7 +225,7 @@ def test_every_truncation_length(name):
 
 
 @pytest.mark.parametrize("name", CODECS)
-@settings(max_examples=1500, deadline=2000)
+@settings(max_examples=1500)
 @given(data=st.binary(max_size=48), count=st.integers(0, 400))
 def test_random_bytes(name, data, count):
     enc, dec, _, _ = CODECS[name]

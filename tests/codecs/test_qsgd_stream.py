@@ -100,7 +100,7 @@ def test_auto_picks_the_shorter_layout():
         assert stream_nbits(c) == 1 + min(layout_nbits(c))
 
 
-@settings(max_examples=800, deadline=2000)
+@settings(max_examples=800)
 @given(codes=st.lists(st.integers(-9, 9), max_size=200), layout=st.sampled_from(LAYOUTS))
 def test_random_codes_match_oracle(codes, layout):
     out = encode_stream(np.array(codes, dtype=np.int64), 9, layout)
@@ -152,7 +152,7 @@ def _check_raw(stream: bytes, n: int, s: int) -> None:
     assert bytes(encode_stream(out, s, layout).tolist()) == stream
 
 
-CORRUPT = settings(max_examples=1200, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+CORRUPT = settings(max_examples=1200, suppress_health_check=[HealthCheck.too_slow])
 
 
 @CORRUPT
@@ -173,7 +173,7 @@ def test_raw_decoder_survives_corruption(codes, layout, cut, flips, extra):
     _check_raw(data, max(n - 1, 0), s)
 
 
-@settings(max_examples=1000, deadline=2000)
+@settings(max_examples=1000)
 @given(data=st.binary(min_size=1, max_size=64), n=st.integers(0, 600), s=st.integers(1, 2 ** 20))
 def test_raw_decoder_on_random_bytes(data, n, s):
     _check_raw(data, n, s)
@@ -269,7 +269,7 @@ def test_large_s_round_trip_is_exact_in_codes():
 
 
 @pytest.mark.parametrize("spec", ELIAS_SPECS)
-@settings(max_examples=150, deadline=4000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 31), n=st.integers(1, 700), kind=st.sampled_from(["cut", "extend", "flip", "crc"]),
        where=st.integers(0, 10 ** 6), extra=st.binary(min_size=1, max_size=4))
 def test_payload_detects_every_stream_corruption(spec, seed, n, kind, where, extra):
@@ -358,7 +358,7 @@ def test_ans_is_near_the_entropy():
 
 
 @pytest.mark.parametrize("spec", ANS_SPECS)
-@settings(max_examples=100, deadline=4000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 31), n=st.integers(1, 700), field=st.sampled_from(["ans", "model", "range", "crc"]),
        kind=st.sampled_from(["cut", "extend", "flip"]), where=st.integers(0, 10 ** 6),
        extra=st.binary(min_size=1, max_size=8))
