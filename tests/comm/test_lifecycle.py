@@ -114,12 +114,12 @@ def _sequence(tmp_path, specs: str, env_extra: dict | None = None) -> list[int]:
     script.write_text(_SEQUENCE)
     env = {k: v for k, v in os.environ.items() if k != "GRADQ_LAUNCHED"}
     env.update(env_extra or {})
-    log = tmp_path / "ranks.jsonl"
-    wrapper = tmp_path / "wrap.sh"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@" >> "{log}"\n')
+    wrapper = tmp_path / "wrap.sh"  # one output file per rank (the launcher sets RANK)
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@" > "{tmp_path}/rank$RANK.out"\n')
     wrapper.chmod(0o755)
     codes = launch([[str(wrapper), str(tmp_path / "out"), specs]] * 2, env=env, timeout=600)
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for r in (0, 1) for line in (tmp_path / f"rank{r}.out").read_text().splitlines()
+            if line.startswith("{")]
     assert sorted(r["rank"] for r in rows) == ["0", "1"]
     for r in rows:
         left = {n: c for n, c in r["threads"].items() if n in lifecycle.GLOO_THREADS or n.startswith("gradq")}
