@@ -5,7 +5,8 @@ Background (module docstring of gradq.comm.lifecycle): worker processes aborted 
 ``terminate called without an active exception`` in a few percent of runs, because gloo's worker
 threads were still alive during interpreter finalization. These tests check the deterministic part —
 which threads are alive after teardown — in every run; ``GRADQ_STRESS=N`` additionally repeats whole
-multi-run sequences N times to catch the race itself (see ``benchmarks/stress_exit.py``).
+multi-run sequences N times to catch the race itself
+(``GRADQ_STRESS=30 pytest tests/comm/test_lifecycle.py -k stress``).
 """
 
 from __future__ import annotations

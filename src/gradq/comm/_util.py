@@ -57,26 +57,20 @@ def check_timeout(timeout: Optional[float]) -> Optional[float]:
     return float(timeout)
 
 
-def _backend_of(group: Any):
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = group if group is not None else c10d._get_default_group()
-    for dev in ("cpu", "cuda"):
-        try:
-            return pg, pg._get_backend(torch.device(dev))
-        except Exception:  # no backend for that device type
-            continue
-    return pg, None
-
-
 def group_timeout(group: Any) -> Optional[float]:
     """The time limit, in seconds, that ``group``'s collectives run under now (None if unknown)."""
+    from torch.distributed import distributed_c10d as c10d
+
     try:
-        _, backend = _backend_of(group)
-        limit = backend.options._timeout if backend is not None else None
-    except Exception:
+        pg = group if group is not None else c10d._get_default_group()
+    except Exception:  # no default group
         return None
-    return None if limit is None else limit.total_seconds()
+    for dev in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(dev)).options._timeout.total_seconds()
+        except Exception:  # no backend for that device type, or no readable limit
+            continue
+    return None
 
 
 @contextmanager
@@ -189,6 +183,7 @@ def ring_all_gather(buf: torch.Tensor, group, sizes: Optional[Sequence[int]] = N
     blocks = [buf if j == rank else torch.empty(sizes[j], dtype=buf.dtype, device=buf.device)
               for j in range(world)]
     nxt, prv = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    limit = group_timeout(group)  # point-to-point waits ignore the group's limit on gloo: passed explicitly
     for k in range(world - 1):
         s, r = (rank - k) % world, (rank - k - 1) % world
         ops = []
@@ -197,10 +192,8 @@ def ring_all_gather(buf: torch.Tensor, group, sizes: Optional[Sequence[int]] = N
         if sizes[r]:
             ops.append(dist.P2POp(dist.irecv, blocks[r], prv, group))
         if ops:
-            limit = group_timeout(group)
             try:
                 for w in dist.batch_isend_irecv(ops):
-                    # point-to-point waits ignore the group's limit on gloo: pass it explicitly
                     if limit is not None:
                         w.wait(timedelta(seconds=limit))
                     else:
