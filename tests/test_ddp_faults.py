@@ -64,11 +64,17 @@ def _rank_main(tmp: str, rank: int, world: int, mode: str, spec: str) -> None:
     os._exit(0 if "error" not in res else 3)
 
 
-def _launch(tmp: Path, world: int, mode: str, spec: str) -> tuple[list[int], float]:
+def _env() -> dict:
+    """The environment of a test rank: this folder importable, one thread, no launcher variables."""
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _launch(tmp: Path, world: int, mode: str, spec: str) -> tuple[list[int], float]:
+    env = _env()
     code = "import sys, test_ddp_faults as t; t._rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r), str(world), mode, spec], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(world)]
@@ -218,3 +224,158 @@ def test_backend_failures_are_described():
     closed = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7563")
     assert "closed its connection" in describe_failure(closed, 2.0)
     assert describe_failure(RuntimeError("something else\nmore"), None) == "something else"
+
+
+# -- damaged bytes inside a protocol ----------------------------------------------------------------
+def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str) -> None:
+    """Rank 1 damages one payload at step 3: for the scatter protocol the bytes it SENDS (rank 0's
+    chunk; rank 0 detects it), for the all-gather protocol the bytes it RECEIVED (it detects it itself).
+    Either way every rank must refuse step 3 alike; writes ``rank{r}.json``."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradq
+    import gradq_testing
+    from gradq.comm import allgather as allgather_mod
+    from gradq.comm import scatter as scatter_mod
+    from test_ddp import all_equal, backward, net, params
+
+    torch.set_num_threads(1)
+    gradq_testing.init_gloo(tmp, rank, world)
+    model = DDP(net(), bucket_cap_mb=0.02)
+    state = gradq.register(model, "qsgd:bits=4", strategy, min_numel=1000, nan_policy=policy, timeout=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = [0]
+    if rank == 1:
+        exchange, gather = scatter_mod._exchange, allgather_mod.all_gather_bytes
+
+        def bad_exchange(send, *a, **k):
+            if step[0] == 3:
+                send = send.clone()
+                send[40] ^= 0x5A  # inside the first payload (rank 0's chunk), past its header
+            return exchange(send, *a, **k)
+
+        def bad_gather(*a, **k):
+            got = gather(*a, **k)
+            if step[0] == 3:
+                got[0] = got[0].clone()
+                got[0][-7] ^= 0x01  # one bit, near the end of rank 0's payload
+            return got
+        scatter_mod._exchange, allgather_mod.all_gather_bytes = bad_exchange, bad_gather
+    res: dict = {"rank": rank, "skipped": [], "same": [], "error": None}
+    for s in range(6):
+        step[0] = s
+        before = params(model)
+        opt.zero_grad()
+        try:
+            backward(model, rank, s)
+        except gradq.PayloadError as exc:
+            res.update(error=str(exc), error_step=s)
+            break
+        if state.last_stats["skipped"]:
+            res["skipped"].append(s)
+            res.setdefault("unchanged", []).append(bool(torch.equal(before, params(model))))
+        else:
+            opt.step()
+        res["same"].append(all_equal(model))
+    res["skipped_steps"] = state.skipped_steps
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
+    if res["error"] is None:
+        gradq_testing.teardown()
+
+
+def _run_damage(tmp: Path, world: int, strategy: str, policy: str) -> list[dict]:
+    env = _env()
+    code = ("import sys, test_ddp_faults as t; "
+            "t._damage_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r), str(world), strategy, policy], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("strategy", ["scatter", "allgather"], ids=["scatter-send", "allgather-recv"])
+def test_damaged_payload_is_refused_on_every_rank(tmp_path, strategy):
+    res = _run_damage(tmp_path, 2, strategy, "raise")
+    for r in res:  # every rank raises at step 3, before its optimizer could apply anything
+        assert r["error_step"] == 3, r
+        assert "arrived damaged (CRC-32 mismatch)" in r["error"] and "refused on every rank" in r["error"], r
+        assert all(r["same"]), r
+    detector = 0 if strategy == "scatter" else 1
+    assert "on this rank" in res[detector]["error"] and "on this rank" not in res[1 - detector]["error"]
+
+
+@pytest.mark.parametrize("strategy", ["scatter", "allgather"], ids=["scatter-send", "allgather-recv"])
+def test_damaged_payload_is_skipped_on_every_rank(tmp_path, strategy):
+    res = _run_damage(tmp_path, 2, strategy, "skip")
+    for r in res:
+        assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
+        assert r["unchanged"] == [True], r  # zero gradients, no optimizer step
+        assert len(r["same"]) == 6 and all(r["same"]), r  # replicas identical at every step, before and after
+
+
+def test_checksum_trailer_catches_every_single_byte_change():
+    import torch
+
+    from gradq.comm._util import SEAL_BYTES, seal, unseal
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (203 + SEAL_BYTES,), dtype=torch.uint8, generator=g)
+    seal(buf, SEAL_BYTES)
+    body, ok = unseal(buf, SEAL_BYTES)
+    assert ok and torch.equal(body, buf[:-SEAL_BYTES])
+    for i in range(buf.numel()):  # CRC-32 detects every error confined to one byte, trailer included
+        bad = buf.clone()
+        bad[i] ^= 1 + (i % 255)
+        assert not unseal(bad, SEAL_BYTES)[1], i
+    assert not unseal(buf[:3], SEAL_BYTES)[1]  # shorter than a trailer
+    assert unseal(buf, 0) == (buf, True)  # no trailer: nothing checked
+
+
+def _allreduce_damage_main(tmp: str, rank: int, world: int) -> None:
+    """``gradq.allreduce_`` on two tensors; rank 1 damages the payload it sends in the second call."""
+    import torch
+
+    import gradq
+    import gradq_testing
+    from gradq.comm import scatter as scatter_mod
+
+    torch.set_num_threads(1)
+    gradq_testing.init_gloo(tmp, rank, world)
+    calls = [0]
+    if rank == 1:
+        exchange = scatter_mod._exchange
+
+        def bad_exchange(send, *a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                send = send.clone()
+                send[-1] ^= 0xFF  # the last byte: rank 1's own chunk's trailer
+                send[40] ^= 0xFF
+            return exchange(send, *a, **k)
+        scatter_mod._exchange = bad_exchange
+    g = torch.Generator().manual_seed(rank)
+    ts = [torch.randn(5000, generator=g), torch.randn(3000, generator=g)]
+    try:
+        gradq.allreduce_(ts, "qsgd:bits=4", protocol="scatter", seed=1)
+        res = {"error": None}
+    except gradq.PayloadError as exc:
+        res = {"error": str(exc)}
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
+    gradq_testing.teardown()
+
+
+def test_allreduce_refuses_a_damaged_average_on_every_rank(tmp_path):
+    env = _env()
+    code = "import sys, test_ddp_faults as t; t._allreduce_damage_main(sys.argv[1], int(sys.argv[2]), 2)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(r)], env=env, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["error"] and "refused on every rank" in r["error"], res
+    assert "'1'" in res[0]["error"] and "on this rank" in res[0]["error"]  # rank 0 saw tensor "1"'s damage

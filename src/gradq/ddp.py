@@ -60,7 +60,7 @@ from .comm import derive_seed
 from .comm.api import average, choose_protocol
 from .comm._util import check_timeout, collective, time_limit
 from .comm.allreduce import allreduce_bytes_per_worker
-from .errors import CommunicationError, NonFiniteError
+from .errors import CommunicationError, NonFiniteError, PayloadError
 from .quantizers.base import Quantizer
 from .spec import build
 from .transforms import ErrorFeedback
@@ -102,6 +102,12 @@ class GradqState:
             they fail after ``timeout``: every rank raises :class:`gradq.CommunicationError` naming the
             step and the collective it was waiting for. The group's own limit is restored after each
             bucket, so the caller's other collectives (evaluation barriers…) keep theirs.
+        checksum: payloads of the scatter, all-gather and parameter-server protocols carry a CRC-32
+            trailer (4 bytes each, CPU tensors). The ranks agree on damaged payloads in the step's last
+            float32 all-reduce (one more value, no extra collective) and refuse the step alike:
+            :class:`gradq.PayloadError` on every rank, or with ``nan_policy="skip"`` a skipped step
+            (zero gradients, ``skipped_steps`` counts it). The integer all-reduce moves no payload and
+            has no checksum. Equal on every rank.
 
     Attributes: ``step`` (completed hook steps), ``skipped_steps``, ``last_stats`` (dict of the last step:
     ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds`` in the
@@ -115,7 +121,7 @@ class GradqState:
                  seed: int = 0, min_numel: int = 10_000, keep_1d_fp32: bool = True,
                  uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
                  measure_error: bool = False, module: Optional[torch.nn.Module] = None,
-                 timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, checksum: bool = True) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if nan_policy not in NAN_POLICIES:
@@ -127,6 +133,7 @@ class GradqState:
         if isinstance(uncompressed, str):
             raise TypeError("uncompressed must be an iterable of parameter names, not one string")
         self.timeout: Optional[float] = check_timeout(timeout)
+        self.checksum = bool(checksum)
         self.quantizer: Quantizer = build(spec)
         if strategy == "allreduce" and not self.quantizer.summable:
             raise ValueError(f"strategy='allreduce' needs a summable quantizer; {self.quantizer.spec!r} is not "
@@ -160,7 +167,7 @@ class GradqState:
     def _fresh_pending() -> dict[str, Any]:
         return {"bytes_sent": 0, "coords": 0, "quantized_coords": 0, "seconds": 0.0, "skip": False,
                 "encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "err2": 0.0, "ref2": 0.0, "fp32": [],
-                "batched": []}
+                "batched": [], "damaged": 0, "damaged_what": []}
 
     # -- names -------------------------------------------------------------------------------------
     def bind(self, module: torch.nn.Module) -> "GradqState":
@@ -191,7 +198,7 @@ class GradqState:
 
     def _check_consistency(self, device: torch.device) -> None:
         """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches."""
-        items = {**self.settings(), "step": self.step, "measure_error": self.measure_error}
+        items = {**self.settings(), "step": self.step, "measure_error": self.measure_error, "checksum": self.checksum}
         keys = list(items)
         vals = [zlib.crc32(repr(items[k]).encode("utf-8")) for k in keys]
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=device)
@@ -264,10 +271,13 @@ def _communicate(state: GradqState, strategy: str, x: torch.Tensor, name: str, s
     and adds the protocol's encode/comm/decode seconds to the step's figures."""
     info: dict[str, Any] = {}
     _, nbytes = average(x, state.quantizer, strategy, group=state.process_group, seed=seed, name=name,
-                        rank=rank, out=x, info=info, verify=False)  # sizes: DDP's; spec: checked at step 0
+                        rank=rank, out=x, info=info, verify=False,  # sizes: DDP's; spec: checked at step 0
+                        checksum=state.checksum, defer_damage=True)  # damage: agreed at the step's end
     pend = state._pending
     for k in ("encode_s", "comm_s", "decode_s"):
         pend[k] += info.get(k, 0.0)
+    pend["damaged"] += info.get("damaged", 0)
+    pend["damaged_what"] += [f"{name}: {w}" for w in info.get("damaged_what", [])]
     return nbytes
 
 
@@ -406,7 +416,8 @@ def _reduce_batched(state: GradqState, strategy: str, rank: int, group: Any, wor
 
 
 def _reduce_fp32(state: GradqState, group: Any, world: int) -> None:
-    """Average the step's float32-policy tensors of every bucket with ONE all-reduce.
+    """Average the step's float32-policy tensors of every bucket with ONE all-reduce, which also
+    carries this rank's count of damaged payloads (one more value: the ranks agree on it for free).
 
     They are concatenated in the model's parameter order, so each value's position in the buffer —
     which fixes the order in which gloo's ring adds it up on more than 2 ranks — depends on the model
@@ -415,16 +426,39 @@ def _reduce_fp32(state: GradqState, group: Any, world: int) -> None:
     last bucket's hook). Skipped steps (NaN policy, agreed by every rank) have nothing to average."""
     pend = state._pending
     parts, pend["fp32"] = sorted(pend["fp32"], key=lambda nv: state._order.get(nv[0], -1)), []
-    if not parts or pend["skip"]:
+    agree = state.checksum and pend["quantized_coords"] > 0 and state.strategy_used not in ("allreduce", "local")
+    if pend["skip"] or not (parts or agree):
         return
     t = time.perf_counter()
-    flat = torch.cat([v.reshape(-1) for _, v in parts])
+    dtype = parts[0][1].dtype if parts else torch.float32
+    device = parts[0][1].device if parts else state._step_buffers[-1].device
+    tail = [torch.tensor([float(pend["damaged"])], dtype=dtype, device=device)] if agree else []
+    flat = torch.cat([v.reshape(-1) for _, v in parts] + tail)
     collective(f"the float32 all-reduce of {flat.numel()} values", dist.all_reduce, flat, group=group)
+    if agree:
+        damaged = int(flat[-1])  # a small count: exact in any float dtype
+        flat = flat[:-1]
     flat.div_(world)
     for (_, v), part in zip(parts, torch.split(flat, [v.numel() for _, v in parts])):
         v.copy_(part.view_as(v))
-    pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel(), world, flat.dtype)
+    pend["bytes_sent"] += allreduce_bytes_per_worker(flat.numel() + len(tail), world, flat.dtype)
     pend["comm_s"] += time.perf_counter() - t
+    if agree and damaged:
+        _refuse_damaged_step(state, damaged)
+
+
+def _refuse_damaged_step(state: GradqState, damaged: int) -> None:
+    """Every rank saw the same count: raise everywhere, or skip the step everywhere (``nan_policy``)."""
+    pend = state._pending
+    mine = f"; on this rank: {', '.join(pend['damaged_what'][:4])}" if pend["damaged_what"] else ""
+    if state.nan_policy == "raise":
+        raise PayloadError(f"gradq_hook: step {state.step}: {damaged} payload(s) arrived damaged (CRC-32 "
+                           f"mismatch){mine}; the step is refused on every rank (nan_policy='skip' skips it)")
+    logger.warning("gradq_hook: step %d skipped on every rank: %d payload(s) arrived damaged%s",
+                   state.step, damaged, mine)
+    for b in state._step_buffers:
+        b.zero_()
+    pend["skip"] = True
 
 
 def _finish_step(state: GradqState) -> None:

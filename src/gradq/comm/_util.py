@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CommunicationError, GradqError
+from ..errors import CommunicationError, GradqError, PayloadError
 from ..payload import Payload
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
@@ -94,6 +94,64 @@ def time_limit(group: Any, seconds: Optional[float]) -> Iterator[None]:
     finally:
         if old is not None:
             c10d._set_pg_timeout(timedelta(seconds=old), pg)
+
+
+# -- payload checksums ----------------------------------------------------------------------------
+#: bytes of the CRC-32 trailer a protocol appends to every payload it sends (CPU tensors)
+SEAL_BYTES = 4
+
+
+def seal_bytes(device: torch.device, checksum: bool) -> int:
+    """Trailer bytes per payload: :data:`SEAL_BYTES` for CPU payloads with ``checksum``, else 0.
+    (CUDA payloads carry none yet: computing it would copy every payload to the host.)"""
+    return SEAL_BYTES if checksum and device.type == "cpu" else 0
+
+
+def _crc(buf: torch.Tensor) -> int:
+    return zlib.crc32(buf.detach().contiguous().numpy())
+
+
+def seal(region: torch.Tensor, trailer: int) -> None:
+    """Write the CRC-32 of ``region[:-trailer]`` into its last ``trailer`` bytes (little-endian)."""
+    if trailer:
+        crc = _crc(region[:-trailer])
+        region[-trailer:] = torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8)
+
+
+def unseal(buf: torch.Tensor, trailer: int) -> tuple[torch.Tensor, bool]:
+    """``(payload bytes, intact)``: the bytes before the trailer, and whether its CRC-32 matches."""
+    if not trailer:
+        return buf, True
+    if buf.numel() < trailer:
+        return buf[:0], False
+    body = buf[:-trailer]
+    return body, _crc(body) == int.from_bytes(bytes(buf[-trailer:].tolist()), "little")
+
+
+def sealed_payload(p: Payload, trailer: int) -> torch.Tensor:
+    """``p``'s serialized bytes followed by their checksum trailer, in one new buffer."""
+    if not trailer:
+        return payload_bytes(p)
+    out = torch.empty(p.nbytes + trailer, dtype=torch.uint8)
+    p.to_bytes(out=out[: p.nbytes])
+    seal(out, trailer)
+    return out
+
+
+def note_damage(info: Optional[dict], what: str) -> None:
+    """Count a payload that arrived damaged (its checksum does not match) in ``info``."""
+    if info is not None:
+        info["damaged"] = info.get("damaged", 0) + 1
+        info.setdefault("damaged_what", []).append(what)
+
+
+def raise_if_damaged(fn: str, info: dict, defer: bool) -> None:
+    """A protocol called alone refuses a damaged result on the rank that saw it (after its last
+    collective, so no peer waits); callers that agree across ranks (the DDP hook, ``allreduce_``)
+    pass ``defer=True`` and read ``info["damaged"]`` themselves."""
+    if info.get("damaged") and not defer:
+        raise PayloadError(f"{fn}: {info['damaged']} payload(s) arrived damaged (CRC-32 mismatch): "
+                           f"{', '.join(info['damaged_what'][:4])}; the result was not used")
 
 
 def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[int] = (),

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from ..quantizers.base import Quantizer
-from ._util import all_gather_bytes, check_inputs, decode_bytes, mean_in_order, payload_bytes, phase
+from ._util import (all_gather_bytes, check_inputs, decode_bytes, mean_in_order, note_damage, phase, raise_if_damaged,
+                    seal_bytes, sealed_payload, unseal)
 
 __all__ = ["allgather_mean", "allgather_bytes_per_worker"]
 
@@ -29,7 +30,7 @@ def allgather_bytes_per_worker(payload_nbytes: int, world_size: int) -> int:
 
 def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                    name: Optional[str] = None, info: Optional[dict] = None,
-                   verify: bool = True) -> torch.Tensor:
+                   verify: bool = True, checksum: bool = True, defer_damage: bool = False) -> torch.Tensor:
     """Average over the group's workers of ``q.decode(q.encode(x_m))``, identical on every rank.
 
     Args:
@@ -41,6 +42,8 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
         name: the tensor's name (error-feedback key, error messages).
         info: optional dict filled with ``payload_nbytes`` (this rank's), ``bytes_sent`` (the formula)
             and the seconds spent in ``encode_s``, ``comm_s`` and ``decode_s``.
+        checksum, defer_damage: a CRC-32 trailer on every payload, as in :func:`scatter_allgather`
+            (a damaged payload counts as zeros in the average and the call is refused).
     Returns:
         a tensor of ``x``'s shape and dtype.
     """
@@ -48,13 +51,23 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
 
     rank, world = check_inputs("allgather_mean", x, q, group, verify=verify)
     shared_seed = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
+    info = {} if info is None else info
+    trailer = seal_bytes(x.device, checksum)
     with phase(info, "encode"):
-        buf = payload_bytes(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name))
+        buf = sealed_payload(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed,
+                                      name=name), trailer)
+    fixed = q.expected_nbytes(x.numel())
     with phase(info, "comm"):
-        bufs = all_gather_bytes(buf, q.expected_nbytes(x.numel()), group)
+        bufs = all_gather_bytes(buf, None if fixed is None else fixed + trailer, group)
     with phase(info, "decode"):
-        out = mean_in_order([decode_bytes(q, b, x.shape, x.dtype) for b in bufs]).reshape(x.shape).to(x.dtype)
-    if info is not None:
-        info.update(payload_nbytes=int(buf.numel()),
-                    bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
+        parts = []
+        for m, sealed in enumerate(bufs):
+            body, ok = unseal(sealed, trailer)
+            if not ok:
+                note_damage(info, f"payload from rank {m}")
+            parts.append(decode_bytes(q, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape))
+        out = mean_in_order(parts).reshape(x.shape).to(x.dtype)
+    info.update(payload_nbytes=int(buf.numel()),
+                bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
+    raise_if_damaged("allgather_mean", info, defer_damage)
     return out

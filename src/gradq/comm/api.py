@@ -15,13 +15,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import CommunicationError
+from ..errors import CommunicationError, PayloadError
 from ..quantizers.base import Quantizer
 from ..spec import build
 from . import derive_seed
 from .allgather import allgather_mean
 from .allreduce import shared_scale_allreduce
-from ._util import check_timeout, phase, time_limit
+from ._util import check_timeout, collective, phase, time_limit
 from .ps import parameter_server_mean
 from .scatter import scatter_allgather
 
@@ -46,7 +46,7 @@ def choose_protocol(q: Quantizer, world_size: int) -> str:
 def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, seed: int,
             name: Optional[str] = None, rank: Optional[int] = None,
             out: Optional[torch.Tensor] = None, info: Optional[dict] = None,
-            verify: bool = True) -> tuple[torch.Tensor, int]:
+            verify: bool = True, checksum: bool = True, defer_damage: bool = False) -> tuple[torch.Tensor, int]:
     """Average ``x`` over the group through ``protocol``; returns ``(average, bytes this worker sent)``.
 
     ``"local"`` (one worker) encodes and decodes in place of communicating, so the result carries the
@@ -54,16 +54,20 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
     may be ``x``) receives the average and is returned; the scatter protocol decodes straight into it.
     ``info``: a dict that receives the protocol's figures (``encode_s``, ``comm_s``, ``decode_s``…).
     ``verify=False`` skips the protocols' cross-rank check of size and spec (one small all-reduce per
-    call) for callers that guarantee them, as the DDP hook does after its first-step check."""
+    call) for callers that guarantee them, as the DDP hook does after its first-step check.
+    ``checksum`` / ``defer_damage``: the payload CRC-32 trailers of the scatter, all-gather and
+    parameter-server protocols (:func:`scatter_allgather`); the integer all-reduce moves no payload."""
     info = {} if info is None else info
+    safe = {"checksum": checksum, "defer_damage": defer_damage}
     if out is not None:
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out= must have x's shape {tuple(x.shape)} and dtype {x.dtype}")
         if protocol == "scatter":
-            res = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, out=out, verify=verify)
+            res = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, out=out, verify=verify,
+                                    **safe)
             return res, int(info["bytes_sent"])
         res, nbytes = average(x, q, protocol, group=group, seed=seed, name=name, rank=rank, info=info,
-                              verify=verify)
+                              verify=verify, **safe)
         return out.copy_(res.reshape(out.shape)), nbytes
     if protocol == "local":
         r = 0 if rank is None else rank
@@ -76,11 +80,11 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
     if protocol == "allreduce":
         out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
     elif protocol == "scatter":
-        out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
+        out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, verify=verify, **safe)
     elif protocol == "allgather":
-        out = allgather_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
+        out = allgather_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify, **safe)
     elif protocol == "ps":
-        out = parameter_server_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
+        out = parameter_server_mean(x, q, group=group, seed=seed, name=name, info=info, verify=verify, **safe)
         info["bytes_sent"] = info["push_nbytes"]  # what a worker sends; the server's broadcast is extra
     else:
         raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
@@ -89,7 +93,8 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
 
 def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: Union[str, Quantizer], *,
                group: Any = None, protocol: str = "auto", seed: int = 0,
-               names: Optional[Sequence[str]] = None, timeout: Optional[float] = 300.0) -> dict[str, Any]:
+               names: Optional[Sequence[str]] = None, timeout: Optional[float] = 300.0,
+               checksum: bool = True) -> dict[str, Any]:
     """Replace every tensor, in place, by its quantized average over the workers of ``group``.
 
     For custom loops without DDP: call it on the gradients after ``backward()`` on every rank, with the
@@ -100,6 +105,10 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
     ``timeout``: seconds each collective may wait for the other ranks (default 300; ``None``: the
     group's own limit); a rank that died or stalled makes the others raise
     :class:`gradq.CommunicationError` naming the tensor and the collective.
+
+    ``checksum``: payloads carry a CRC-32 trailer; if one arrives damaged on any rank, every rank
+    raises :class:`gradq.PayloadError` after the last tensor (one small all-reduce agrees on it), so
+    no rank keeps an average the others refuse (the tensors then hold unusable values).
 
     Returns ``{"protocol", "bytes_sent", "numel"}`` for this call.
 
@@ -121,7 +130,8 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
         raise ValueError(f"unknown protocol {protocol!r}; valid: auto, {', '.join(PROTOCOLS)}")
     timeout = check_timeout(timeout)
     rank = dist.get_rank(group) if world > 1 else 0
-    sent = numel = 0
+    sent = numel = damaged = 0
+    where: list[str] = []
     for t, name in zip(ts, names):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"allreduce_ needs floating-point tensors; {name!r} is "
@@ -129,10 +139,21 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
     for t, name in zip(ts, names):
         try:
             with time_limit(group if world > 1 else None, timeout if world > 1 else None):
+                info: dict = {}
                 _, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name,
-                               rank=rank, out=t)
+                               rank=rank, out=t, info=info, checksum=checksum, defer_damage=True)
+                damaged += info.get("damaged", 0)
+                where += [f"{name!r}: {w}" for w in info.get("damaged_what", [])]
         except CommunicationError as exc:
             raise exc.within(f"allreduce_: tensor {name!r}") from exc
         sent += b
         numel += t.numel()
+    if world > 1 and checksum and protocol != "allreduce":
+        flag = torch.tensor([damaged], dtype=torch.int64, device=ts[0].device if ts else None)
+        with time_limit(group, timeout):
+            collective("the agreement on damaged payloads", dist.all_reduce, flag, group=group)
+        if int(flag):
+            mine = f"; on this rank: {', '.join(where[:4])}" if where else ""
+            raise PayloadError(f"allreduce_: {int(flag)} payload(s) arrived damaged (CRC-32 mismatch){mine}; "
+                               "the average is refused on every rank")
     return {"protocol": protocol, "bytes_sent": sent, "numel": numel}

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, collective, decode_bytes, mean_in_order, payload_bytes, phase, plain
+from ._util import (check_inputs, collective, decode_bytes, mean_in_order, note_damage, phase, plain, raise_if_damaged,
+                    seal_bytes, sealed_payload, unseal)
 
 __all__ = ["parameter_server_mean"]
 
@@ -33,7 +34,8 @@ def _global(group: Any, rank: int) -> int:
 
 def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int, server: int = 0,
                           requantize: bool = False, name: Optional[str] = None,
-                          info: Optional[dict] = None, verify: bool = True) -> torch.Tensor:
+                          info: Optional[dict] = None, verify: bool = True, checksum: bool = True,
+                          defer_damage: bool = False) -> torch.Tensor:
     """Average over workers of the decoded gradients, computed at ``server`` and broadcast.
 
     Args:
@@ -44,6 +46,8 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         requantize: broadcast the average re-encoded by ``q`` instead of in float32.
         name: tensor name (error-feedback key).
         info: optional dict filled with ``push_nbytes`` and ``pull_nbytes`` (per worker).
+        checksum, defer_damage: a CRC-32 trailer on every payload pushed (and on the re-encoded average
+            pulled), as in :func:`gradq.comm.scatter_allgather`; the float32 average carries none.
     Returns:
         a tensor of ``x``'s shape and dtype.
     """
@@ -56,11 +60,15 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
     src = _global(group, server)
     dev = x.device
     shared_seed = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
+    info = {} if info is None else info
+    trailer = seal_bytes(dev, checksum)
     with phase(info, "encode"):
-        buf = payload_bytes(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed, name=name))
+        buf = sealed_payload(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed,
+                                      name=name), trailer)
     t_comm = time.perf_counter()
 
     fixed = q.expected_nbytes(x.numel())
+    fixed = None if fixed is None else fixed + trailer
     if fixed is not None:
         if buf.numel() != fixed:
             raise RuntimeError(f"{q.spec}: payload has {buf.numel()} bytes, promised {fixed}")
@@ -80,15 +88,22 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
 
     q2 = plain(q)
     if rank == server:
-        avg = mean_in_order([decode_bytes(q, b[:s], x.shape, x.dtype) for b, s in zip(recv, sizes)])
+        parts = []
+        for m, (b, sz) in enumerate(zip(recv, sizes)):
+            body, ok = unseal(b[:sz], trailer)
+            if not ok:
+                note_damage(info, f"payload pushed by rank {m}")
+            parts.append(decode_bytes(q, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape))
+        avg = mean_in_order(parts)
     if not requantize:
         out = avg if rank == server else torch.empty(x.numel(), dtype=torch.float32, device=dev)
         collective("the broadcast of the average", dist.broadcast, out, src=src, group=group)
         pull = 4 * x.numel()
     else:
         fixed2 = q2.expected_nbytes(x.numel())
+        fixed2 = None if fixed2 is None else fixed2 + trailer
         if rank == server:
-            b2 = payload_bytes(q2.encode(avg.reshape(x.shape), seed=derive_seed(seed, server, "server")))
+            b2 = sealed_payload(q2.encode(avg.reshape(x.shape), seed=derive_seed(seed, server, "server")), trailer)
         if fixed2 is None:
             size = torch.tensor([b2.numel() if rank == server else 0], dtype=torch.int64, device=dev)
             collective("the broadcast of the average's size", dist.broadcast, size, src=src, group=group)
@@ -96,9 +111,13 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         if rank != server:
             b2 = torch.empty(fixed2, dtype=torch.uint8, device=dev)
         collective("the broadcast of the re-encoded average", dist.broadcast, b2, src=src, group=group)
-        out = decode_bytes(q2, b2, x.shape, x.dtype)
+        body, ok = unseal(b2, trailer)
+        if not ok:
+            note_damage(info, "the re-encoded average from the server")
+        out = decode_bytes(q2, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape).reshape(-1)
         pull = fixed2
-    if info is not None:  # the server's decode and re-encode count as waiting for the others
-        info["comm_s"] = info.get("comm_s", 0.0) + time.perf_counter() - t_comm
-        info.update(push_nbytes=int(buf.numel()), pull_nbytes=int(pull))
+    # the server's decode and re-encode count as waiting for the others
+    info["comm_s"] = info.get("comm_s", 0.0) + time.perf_counter() - t_comm
+    info.update(push_nbytes=int(buf.numel()), pull_nbytes=int(pull))
+    raise_if_damaged("parameter_server_mean", info, defer_damage)
     return out.reshape(x.shape).to(x.dtype)

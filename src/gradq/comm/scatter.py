@@ -32,7 +32,8 @@ gloo step 6 goes around a ring of point-to-point messages (:func:`gradq.comm._ut
 
 Traffic per worker: ``(M−1)·B_c`` bytes in the all-to-all plus ``(M−1)·B_c'`` in the ring all-gather,
 with ``B_c ≈ c·bits/8 + header`` — in total ``≈ 2(M−1)/M · n·bits/8`` bytes (a ring all-reduce at
-``bits`` instead of 32), plus ``2(M−1)`` payload headers.
+``bits`` instead of 32), plus ``2(M−1)`` payload headers and, with ``checksum`` (the default, CPU
+tensors), a 4-byte CRC-32 trailer on each of those payloads.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import torch.distributed as dist
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
 from . import lifecycle
-from ._util import all_gather_bytes, check_inputs, collective, payload_bytes, phase, plain
+from ._util import (all_gather_bytes, check_inputs, collective, note_damage, phase, plain, raise_if_damaged, seal,
+                    seal_bytes, sealed_payload, unseal)
 
 __all__ = ["scatter_allgather", "scatter_bytes_per_worker", "SEGMENT_NUMEL"]
 
@@ -190,7 +192,8 @@ lifecycle.on_stop(stop_lane)
 def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                       name: Optional[str] = None, second_ef: Optional[ErrorFeedback] = None,
                       info: Optional[dict] = None, out: Optional[torch.Tensor] = None,
-                      segment: Optional[int] = None, verify: bool = True) -> torch.Tensor:
+                      segment: Optional[int] = None, verify: bool = True, checksum: bool = True,
+                      defer_damage: bool = False) -> torch.Tensor:
     """Chunked all-to-all / average / re-encode / all-gather (module docstring); same result on all ranks.
 
     Args:
@@ -206,6 +209,10 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
         out: optional tensor of ``x``'s shape and dtype for the result (may be ``x`` itself: a
             segment's chunks are all encoded before anything is written into it).
         segment: coordinates per pipelined segment (default :data:`SEGMENT_NUMEL`; equal on all ranks).
+        checksum: every payload sent carries a CRC-32 trailer (4 bytes, CPU tensors), checked on
+            arrival; a damaged one is decoded as zeros, counted in ``info["damaged"]`` and, unless
+            ``defer_damage`` (the caller agrees across ranks itself), refused with
+            :class:`gradq.PayloadError` on this rank once the collectives are done. Equal on all ranks.
     Returns:
         ``out``, or a new tensor of ``x``'s shape and dtype.
     """
@@ -228,6 +235,8 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=x.device)  # type: ignore[union-attr]
     lane: Any = _Inline if nseg == 1 else _lane()
+    trailer = seal_bytes(x.device, checksum)
+    info = {} if info is None else info
 
     def submit(fn: Callable[[], Any]) -> Future:
         if nseg > 1:
@@ -250,20 +259,22 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
         pieces, chunk = _chunks(flat[a:b], world)
         chunk_of[s] = chunk
         fixed = q.expected_nbytes(chunk)
+        fixed = None if fixed is None else fixed + trailer
         with phase(info, "encode"):
             payloads = []
             for j in range(world):
                 ss = derive_seed(sd, None, f"chunk{j}") if q.needs_shared_seed else None
                 payloads.append(q.encode(pieces[j], seed=derive_seed(sd, rank, f"chunk{j}"), shared_seed=ss,
                                          name=_key(name, f"chunk{j}{tg}")))
-            send_sizes = [p.nbytes for p in payloads]
+            send_sizes = [p.nbytes + trailer for p in payloads]
             if fixed is not None and any(sz != fixed for sz in send_sizes):
                 raise RuntimeError(f"{q.spec}: chunk payload sizes {send_sizes} differ from the promised {fixed}")
             # serialized straight into one send buffer (no second concatenating copy)
             flat_send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=x.device)
             pos = 0
             for p, sz in zip(payloads, send_sizes):
-                p.to_bytes(out=flat_send[pos:pos + sz])
+                p.to_bytes(out=flat_send[pos:pos + p.nbytes])
+                seal(flat_send[pos:pos + sz], trailer)
                 pos += sz
         sent[0] += sum(send_sizes) - send_sizes[rank]
         return submit(lambda: _exchange(flat_send, send_sizes, fixed, group))
@@ -274,12 +285,17 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
         chunk = chunk_of[s]
         sd, tg = tags(s)
         with phase(info, "decode"):
-            avg = _decode_mean(q, list(torch.split(recv, recv_sizes)), chunk)
+            bodies, intact = zip(*(unseal(b, trailer) for b in torch.split(recv, recv_sizes)))
+            for src in (m for m, ok in enumerate(intact) if not ok):
+                note_damage(info, f"chunk {rank} payload from rank {src}" + (f" (segment {s})" if nseg > 1 else ""))
+            # a damaged chunk is not decoded: the step will be refused, and its bytes could be anything
+            avg = _decode_mean(q, list(bodies), chunk) if all(intact) else flat.new_zeros(chunk)
         with phase(info, "encode"):
-            pb = payload_bytes(q2.encode(avg, seed=derive_seed(sd, rank, "reencode"),
-                                         name=_key(name, f"avg{rank}{tg}")))
+            pb = sealed_payload(q2.encode(avg, seed=derive_seed(sd, rank, "reencode"),
+                                          name=_key(name, f"avg{rank}{tg}")), trailer)
         sent[0] += (world - 1) * int(pb.numel())
-        return submit(lambda: all_gather_bytes(pb, q2.expected_nbytes(chunk), group))
+        fixed2 = q2.expected_nbytes(chunk)
+        return submit(lambda: all_gather_bytes(pb, None if fixed2 is None else fixed2 + trailer, group))
 
     def finish(s: int, fut: Future) -> None:  # step 6
         with phase(info, "comm"):
@@ -290,9 +306,15 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
             _decode_into_place(gathered, a, b, chunk)
 
     def _decode_into_place(gathered: list[torch.Tensor], a: int, b: int, chunk: int) -> None:
-        for j, buf in enumerate(gathered):
+        for j, sealed in enumerate(gathered):
             lo, hi = a + j * chunk, min(b, a + (j + 1) * chunk)
+            buf, ok = unseal(sealed, trailer)
+            if not ok:
+                note_damage(info, f"averaged chunk {j} from rank {j}")
             if hi <= lo:
+                continue
+            if not ok:
+                res[lo:hi] = 0.0
                 continue
             pl = q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
             if hi - lo == chunk:
@@ -311,8 +333,8 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
             gat[s - 1] = reduce(s - 1, a2a.pop(s - 1))
         if s >= 2:
             finish(s - 2, gat.pop(s - 2))
-    if info is not None:
-        info.update(chunk=chunk_of.get(0, 0), segments=nseg, bytes_sent=sent[0])
+    info.update(chunk=chunk_of.get(0, 0), segments=nseg, bytes_sent=sent[0])
+    raise_if_damaged("scatter_allgather", info, defer_damage)
     if direct:
         return out  # type: ignore[return-value]
     res = res.reshape(x.shape).to(x.dtype)
