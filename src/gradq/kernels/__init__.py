@@ -60,6 +60,45 @@ __all__ = ["available", "set_enabled", "maxabs_scales", "uniform_encode", "unifo
            "terngrad_stats"]
 
 RngLike = Union[RandomStream, int]
+
+
+def process_threads(env: Optional[dict] = None, cpus: Optional[int] = None) -> Optional[int]:
+    """Kernel threads for this process when ``NUMBA_NUM_THREADS`` is not set: its share of the machine.
+
+    The first that applies: ``OMP_NUM_THREADS`` (what torchrun and most launchers give each process,
+    1 with several processes per node), then the usable cores divided by ``LOCAL_WORLD_SIZE`` (the
+    processes on this node). ``None`` when neither is set (or ``NUMBA_NUM_THREADS`` is: an explicit
+    setting always wins), so a lone process keeps one thread per core. Without this, every rank's
+    pool spans every core and ranks sharing a machine slow each other down several times over."""
+    env = os.environ if env is None else env
+    if str(env.get("NUMBA_NUM_THREADS", "")).strip():
+        return None
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    for key, per_process in (("OMP_NUM_THREADS", lambda v: v), ("LOCAL_WORLD_SIZE", lambda v: cpus // v)):
+        raw = str(env.get(key, "")).strip()
+        if raw.isdigit() and int(raw) >= 1:
+            return max(1, min(cpus, per_process(int(raw))))
+    return None
+
+
+def _share_threads() -> None:
+    """Apply :func:`process_threads` before numba starts its pool (numba reads the variable once,
+    at import); if numba was imported already, cap this thread's count instead."""
+    import sys
+
+    n = process_threads()
+    if n is None:
+        return
+    if "numba" not in sys.modules:
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
+        return
+    import numba
+
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+_share_threads()
 _ENABLED = os.environ.get("GRADQ_KERNELS", "1").strip() != "0"
 _CPU = None          # the imported gradq.kernels.cpu module, once loaded
 _IMPORT_ERROR: Optional[BaseException] = None
