@@ -220,3 +220,30 @@ def test_parse_without_copy_views_aligned_fields_and_copies_the_rest(shift):
     assert torch.equal(q["scales"], p["scales"]) != scales_view
     c = Payload.from_bytes(buf, names=NAMES, spec=SPEC, shape=SHAPE, dtype=torch.float32)
     assert c["codes"].data_ptr() != q["codes"].data_ptr()  # the default copies
+
+
+def test_from_layout_reads_the_fields_from_their_offsets():
+    """The header-free parse (used on GPUs, where reading the header would wait for the stream) gives
+    the same fields as the checked parse, for fixed-width schemes; a wrong length is refused."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for spec in ("qsgd:bits=4,bucket=128", "terngrad", "maxnorm:bits=2", "signsgd"):
+        q = gradq.build(spec)
+        raw = q.encode(x, seed=1).to_bytes()
+        layout = q.field_layout(x.numel())
+        a = Payload.from_layout(raw, layout, spec=q.spec, shape=x.shape, dtype=x.dtype)
+        b = q.payload_from_bytes(raw, x.shape)
+        assert list(a.fields) == list(b.fields)
+        assert all(torch.equal(a.fields[k], b.fields[k]) for k in a.fields), spec
+        assert torch.equal(q.decode(a), q.decode(b))
+        with pytest.raises(gradq.PayloadError):
+            Payload.from_layout(raw[:-1], layout, spec=q.spec, shape=x.shape, dtype=x.dtype)
+
+
+def test_header_bytes_are_built_once_per_layout():
+    from gradq import payload as payload_mod
+
+    q = gradq.build("qsgd:bits=4,bucket=128")
+    a = q.encode(torch.randn(300), seed=0).to_bytes()
+    b = q.encode(torch.randn(300), seed=1).to_bytes()
+    key = next(k for k in payload_mod._HEADERS if k[0] == q.spec and k[1] == 300)
+    assert torch.equal(a[:payload_mod._HEADERS[key].numel()], b[:payload_mod._HEADERS[key].numel()])

@@ -52,6 +52,26 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
+_HEADERS: dict[tuple, torch.Tensor] = {}
+
+
+def _header(spec: str, numel: int, fields: tuple[tuple[torch.dtype, int], ...], device: torch.device) -> torch.Tensor:
+    """The header bytes of a payload, built once per (spec, size, fields, device) and kept: on a GPU a
+    fresh host-to-device copy per payload would make the host wait for the stream."""
+    key = (spec, numel, fields, device)
+    head = _HEADERS.get(key)
+    if head is None:
+        raw = bytearray(MAGIC) + bytes([VERSION, len(fields)]) + spec_crc(spec).to_bytes(4, "little")
+        raw += numel.to_bytes(8, "little")
+        for dt, cnt in fields:
+            raw += bytes([_DTYPE_CODES[dt]]) + cnt.to_bytes(4, "little")
+        head = torch.frombuffer(raw, dtype=torch.uint8).to(device)
+        if len(_HEADERS) > 4096:  # many distinct sizes (variable-length codes): keep the cache bounded
+            _HEADERS.clear()
+        _HEADERS[key] = head
+    return head
+
+
 def spec_crc(spec: str) -> int:
     """CRC-32 of a canonical spec string, as stored in the payload header."""
     return zlib.crc32(spec.encode("utf-8")) & 0xFFFFFFFF
@@ -123,16 +143,12 @@ class Payload:
         send buffer; saves a second copy), returned."""
         if len(self.fields) > 255:
             raise PayloadError("a payload holds at most 255 fields")
-        head = bytearray(MAGIC)
-        head += bytes([VERSION, len(self.fields)])
-        head += spec_crc(self.spec).to_bytes(4, "little")
-        head += int(self.numel).to_bytes(8, "little")
         for name, t in self.fields.items():
             if t.dtype not in _DTYPE_CODES:
                 raise PayloadError(f"field {name!r} has unsupported dtype {t.dtype}")
-            head += bytes([_DTYPE_CODES[t.dtype]]) + int(t.numel()).to_bytes(4, "little")
         dev = self.device
-        parts = [torch.frombuffer(head, dtype=torch.uint8).to(dev)]
+        parts = [_header(self.spec, int(self.numel), tuple((t.dtype, int(t.numel())) for t in self.fields.values()),
+                         dev)]
         for t in self.fields.values():
             parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
         if out is None:
@@ -142,6 +158,30 @@ class Payload:
             raise ValueError(f"out= must be a 1-D uint8 tensor of {total} bytes, got "
                              f"{out.dtype} {tuple(out.shape)}")
         return torch.cat(parts, out=out)
+
+    @classmethod
+    def from_layout(cls, buf: torch.Tensor, layout: Mapping[str, tuple[torch.dtype, int]], *, spec: str,
+                    shape: Sequence[int], dtype: torch.dtype) -> "Payload":
+        """Views of the fields of ``buf`` at the offsets a fixed ``layout`` (name → (dtype, count), in
+        wire order) puts them, without reading the header — so no device-to-host copy (the DDP hook on
+        CUDA parses payloads this way; the sizes were already agreed). Only the total length is checked:
+        a CUDA payload's header is not validated (CPU payloads go through :meth:`from_bytes` and a CRC-32)."""
+        numel = 1
+        for s_ in shape:
+            numel *= int(s_)
+        pos = HEADER_BYTES + FIELD_HEADER_BYTES * len(layout)
+        need = pos + sum(count * torch.empty((), dtype=dt).element_size() for dt, count in layout.values())
+        if buf.numel() != need:
+            raise PayloadError(f"payload has {buf.numel()} bytes, the layout of {spec!r} needs {need}")
+        fields: dict[str, torch.Tensor] = {}
+        for name, (dt, count) in layout.items():
+            item = torch.empty((), dtype=dt).element_size()
+            raw = buf[pos: pos + count * item]
+            if (buf.data_ptr() + pos) % item:
+                raw = raw.clone()
+            fields[name] = raw.view(dt)
+            pos += count * item
+        return cls(spec, tuple(int(s_) for s_ in shape), dtype, numel, fields)
 
     @classmethod
     def from_bytes(

@@ -345,6 +345,10 @@ class Quantizer:
         numel = 1
         for s in shape:
             numel *= int(s)
+        if isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
+            layout = self.field_layout(numel)
+            if layout is not None:  # fixed width: fields at known offsets, no header read on the host
+                return Payload.from_layout(buf, layout, spec=self.spec, shape=shape, dtype=dtype)
         p = Payload.from_bytes(buf, names=self.wire_fields(numel), spec=self.spec, shape=shape, dtype=dtype,
                                copy=copy)
         self._check_fields(p)
