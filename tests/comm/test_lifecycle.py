@@ -77,7 +77,7 @@ def test_comm_lane_stops_joins_and_restarts():
     assert lane.submit(lambda: 41 + 1).result(timeout=10) == 42
     assert lane._thread.is_alive() and "gradq-comm" in _python_threads()
     lifecycle.stop_threads()
-    assert not lane._thread.is_alive() and scatter_mod._LANE is None
+    assert not lane._thread.is_alive() and not scatter_mod._LANES
     lifecycle.stop_threads()  # idempotent
     again = scatter_mod._lane()
     assert again is not lane and again.submit(lambda: "x").result(timeout=10) == "x"

@@ -68,6 +68,15 @@ def _child(rank: int, world: int, tmp: str) -> None:
     for step in range(2):  # memories carry over between calls
         res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
                                              name="w", second_ef=ef2)
+    from gradq.comm._util import SMALL_SUM_BYTES, all_gather_bytes, sum_over_ranks
+    # small vectors: one all-to-all and a rank-order sum; large ones: the backend's all-reduce
+    small, big = grad(rank, 1000), grad(rank, SMALL_SUM_BYTES // 4 // world + 1)
+    res["sum_small"] = sum_over_ranks(small.clone(), None)
+    res["sum_big"] = sum_over_ranks(big.clone(), None)
+    # all-gather of byte buffers of different lengths: small through one all-to-all, large by the ring
+    for n in (10, SMALL_SUM_BYTES // world + 5):
+        mine = torch.full((n + rank,), rank + 1, dtype=torch.uint8)
+        res[f"gather_bytes|{n}"] = [b.clone() for b in all_gather_bytes(mine, None, None)]
     ts = [grad(rank, 300), grad(rank, 77).reshape(7, 11)]
     for spec in API_SPECS:  # the hook-free entry point against the protocol it picks
         copies = [t.clone() for t in ts]
@@ -173,10 +182,32 @@ def run(request, tmp_path_factory):
     return world, [torch.load(f"{tmp}/out{r}.pt") for r in range(world)]
 
 
+def test_sum_over_ranks_and_byte_gather(run):
+    from gradq.comm._util import SMALL_SUM_BYTES
+
+    world, outs = run
+    small = [grad(r, 1000) for r in range(world)]
+    want = small[0].clone()
+    for x in small[1:]:  # rank order 0..M-1, bit for bit
+        want += x
+    got, sent = outs[0]["sum_small"]
+    assert torch.equal(got, want) and sent == (world - 1) * 4000
+    big = torch.stack([grad(r, SMALL_SUM_BYTES // 4 // world + 1) for r in range(world)])
+    got, sent = outs[0]["sum_big"]
+    # the ring adds in its own order: equal to float rounding (a few ulps of the largest partial sum)
+    assert torch.allclose(got, big.sum(0), rtol=0, atol=1e-5 * float(big.abs().sum(0).max()))
+    assert sent == 2 * (world - 1) * 4 * big.shape[1] // world
+    for n in (10, SMALL_SUM_BYTES // world + 5):
+        for r in range(world):
+            blocks = outs[r][f"gather_bytes|{n}"]
+            assert [b.numel() for b in blocks] == [n + m for m in range(world)]
+            assert all(bool((b == m + 1).all()) for m, b in enumerate(blocks))
+
+
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api")) or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "gather_bytes")) or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):

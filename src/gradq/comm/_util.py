@@ -96,6 +96,37 @@ def time_limit(group: Any, seconds: Optional[float]) -> Iterator[None]:
             c10d._set_pg_timeout(timedelta(seconds=old), pg)
 
 
+#: largest vector (bytes, times the world size) that :func:`sum_over_ranks` sums by one all-to-all
+SMALL_SUM_BYTES = 1 << 20
+
+
+def sum_over_ranks(x: torch.Tensor, group: Any = None, *, what: str = "the all-reduce") -> tuple[torch.Tensor, int]:
+    """The sum of the 1-D tensor ``x`` over the group's ranks, identical on every rank; returns
+    ``(sum, bytes this rank sent)``. ``x`` may be overwritten.
+
+    A small vector (``world · nbytes ≤`` :data:`SMALL_SUM_BYTES`) goes through ONE all-to-all: every
+    rank sends its whole vector to every other and adds the ``M`` copies in rank order 0..M−1. A ring
+    all-reduce takes ``2(M−1)`` dependent steps, each a wake-up of every rank — most of its time for a
+    few kilobytes (measured, 4 gloo ranks on 2 cores: 5.4 ms against 2.5 ms for the all-to-all) — and
+    the rank-order sum does not depend on where a value sits in the vector. Larger vectors use the
+    backend's all-reduce (ring: ``2(M−1)/M`` of the bytes instead of ``M−1`` times them)."""
+    world = dist.get_world_size(group)
+    nbytes = x.numel() * x.element_size()
+    if world == 1:
+        return x, 0
+    if world * nbytes <= SMALL_SUM_BYTES:
+        send = x.repeat(world)
+        recv = torch.empty_like(send)
+        collective(f"{what} of {x.numel()} values (all-to-all)", dist.all_to_all_single, recv, send, group=group)
+        rows = recv.view(world, -1)
+        total = rows[0].clone()
+        for r in range(1, world):
+            total += rows[r]
+        return total, (world - 1) * nbytes
+    collective(f"{what} of {x.numel()} values", dist.all_reduce, x, group=group)
+    return x, (2 * (world - 1) * nbytes) // world
+
+
 # -- payload checksums ----------------------------------------------------------------------------
 #: bytes of the CRC-32 trailer a protocol appends to every payload it sends (CPU tensors)
 SEAL_BYTES = 4
@@ -186,7 +217,22 @@ def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[
 
 @contextmanager
 def phase(info: Optional[dict], name: str) -> Iterator[None]:
-    """Add the wall seconds spent in the block to ``info[name + "_s"]`` (``encode``, ``comm``, ``decode``)."""
+    """Add the wall seconds spent in the block to ``info[name + "_s"]`` (``encode``, ``comm``, ``decode``).
+
+    When ``info["cuda_events"]`` is a list (the DDP hook on a GPU), the block is timed on the GPU
+    instead: a pair of CUDA events is recorded on the current stream and appended as ``(name, start,
+    end)``; the caller reads their elapsed time once the stream has finished (host clocks would only
+    measure kernel launches)."""
+    events = None if info is None else info.get("cuda_events")
+    if events is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            events.append((name, start, end))
+        return
     t0 = time.perf_counter()
     try:
         yield
@@ -268,8 +314,11 @@ def all_gather_bytes(buf: torch.Tensor, fixed: Optional[int], group) -> list[tor
     """All-gather 1-D uint8 buffers of possibly different lengths; returns one per rank (unpadded).
 
     ``fixed``: the byte length every rank's buffer is known to have (skips the size exchange).
-    On gloo the bytes go around a point-to-point ring (:func:`ring_all_gather`, unpadded); on other
-    backends through ``all_gather_into_tensor`` (zero-padded to the longest)."""
+    On gloo with CPU tensors the bytes go around a point-to-point ring (:func:`ring_all_gather`, unpadded), or, when
+    ``M`` times the largest is at most :data:`SMALL_SUM_BYTES`, through one all-to-all (every rank sends
+    its buffer to every other: the same bytes as the ring in one round instead of ``M−1``); on NCCL and
+    for CUDA tensors (gloo's point-to-point refuses them) through the backend's ``all_gather_into_tensor``
+    (zero-padded to the longest)."""
     world = dist.get_world_size(group)
     if fixed is not None:
         if buf.numel() != fixed:
@@ -280,7 +329,13 @@ def all_gather_bytes(buf: torch.Tensor, fixed: Optional[int], group) -> list[tor
         got = torch.empty(world, dtype=torch.int64, device=buf.device)
         collective("the all-gather of the payload sizes", gather_into, got, n, group=group)
         sizes = [int(s) for s in got.tolist()]
-    if dist.get_backend(group) == "gloo":
+    if buf.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+        if world * max(sizes) <= SMALL_SUM_BYTES:  # small: one all-to-all round instead of M−1 ring rounds
+            send = buf.repeat(world)
+            recv = torch.empty(sum(sizes), dtype=torch.uint8, device=buf.device)
+            collective("the all-gather of the payloads (all-to-all)", dist.all_to_all_single, recv, send,
+                       output_split_sizes=sizes, input_split_sizes=[buf.numel()] * world, group=group)
+            return list(torch.split(recv, sizes))
         return ring_all_gather(buf, group, sizes)
     width = max(sizes)
     send = buf if buf.numel() == width else torch.cat([buf, buf.new_zeros(width - buf.numel())])

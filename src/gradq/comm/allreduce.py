@@ -63,7 +63,11 @@ def code_dtype(world_size: int, max_code: int) -> torch.dtype:
 def reduce_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
     """``dtype``, or the next wider one where ``backend``'s all_reduce does not support it
     (int16 → int32 on gloo and NCCL)."""
-    return _PROMOTE.get(str(backend).lower(), {}).get(dtype, dtype)
+    name = str(backend).lower()  # "gloo", "nccl", or a device-qualified spelling such as "cuda:gloo"
+    for key, table in _PROMOTE.items():
+        if key in name:
+            return table.get(dtype, dtype)
+    return dtype
 
 
 def allreduce_bytes_per_worker(numel: int, world_size: int, dtype: torch.dtype) -> int:

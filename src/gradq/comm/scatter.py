@@ -133,10 +133,10 @@ class _CommLane:
 
     _STOP = object()
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "gradq-comm") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # daemon only as a last resort: stop() joins it before shutdown (see gradq.comm.lifecycle)
-        self._thread = threading.Thread(target=self._run, name="gradq-comm", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -165,24 +165,26 @@ class _CommLane:
         return not self._thread.is_alive()
 
 
-_LANE: Optional[_CommLane] = None
+#: the running lanes by thread name: "gradq-comm" (the segments' exchanges) and "gradq-hook" (the
+#: DDP hook's per-group jobs, which themselves submit exchanges to "gradq-comm": two threads, no wait cycle)
+_LANES: dict[str, _CommLane] = {}
 _LANE_LOCK = threading.Lock()
 
 
-def _lane() -> _CommLane:
-    global _LANE
+def _lane(name: str = "gradq-comm") -> _CommLane:
     with _LANE_LOCK:
-        if _LANE is None:
-            _LANE = _CommLane()
-        return _LANE
+        lane = _LANES.get(name)
+        if lane is None:
+            lane = _LANES[name] = _CommLane(name)
+        return lane
 
 
 def stop_lane() -> None:
-    """Stop and join the communication lane if one runs (the next segmented call starts a new one)."""
-    global _LANE
+    """Stop and join every lane that runs (the next use starts a new one)."""
     with _LANE_LOCK:
-        lane, _LANE = _LANE, None
-    if lane is not None:
+        lanes = list(_LANES.values())
+        _LANES.clear()
+    for lane in lanes:
         lane.stop()
 
 
