@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from gradq.cli import COMPARE_SPECS, DEMO_COMPRESSORS, main
 import gradq
@@ -78,3 +79,14 @@ def test_train_network_without_root_says_so_and_runs_nothing(capsys, tmp_path, m
     assert not (tmp_path / "r").exists()
     assert main(["train", "-c", "fp32", "--network", "fast", "--out", str(tmp_path / "r")]) == 2
     assert "fast" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_backends_refuse_clearly_without_a_gpu(tmp_path, capsys):
+    from gradq.cli import main
+
+    for backend in ("nccl", "cuda:gloo"):
+        rc = main(["train", "--workers", "1", "--backend", backend, "--epochs", "1", "--out", str(tmp_path / "x"),
+                   "-c", "fp32"])
+        err = capsys.readouterr()
+        assert rc != 0 and "needs a GPU" in err.err and "training" not in err.out  # refused before any run

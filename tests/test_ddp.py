@@ -149,6 +149,22 @@ def _child(rank: int, world: int, tmp: str) -> None:
     res["policy_quantized"] = st.last_stats["quantized_coords"]
     res["totals"] = dict(st.totals)
 
+    # 2b. overlap: a bucket's future is still pending when the hook returns it (its group's job, or
+    # the step's last one, finishes it), and after the first step groups start before the last bucket
+    m = ddp()
+    st = GradqState("qsgd:bits=4,bucket=512", module=m, group_mb=0.02, **KW)
+    seen: list = []
+
+    def watching(state, bucket):  # noqa: ANN001, ANN202
+        fut = gradq_hook(state, bucket)
+        if not bucket.is_last():
+            seen.append((state.step, fut.done(), len(state._step_work.launched)))
+        return fut
+    m.register_comm_hook(st, watching)
+    res["overlap_same"] = train(m, torch.optim.SGD(m.parameters(), lr=0.1), rank, range(3))
+    res["overlap_seen"] = seen
+    res["overlap_groups"] = st.last_stats["groups"]
+
     # 3. a one-rank group: auto picks the local encode/decode
     groups = [dist.new_group([r]) for r in range(world)]
     m = ddp(groups[rank])
@@ -251,7 +267,10 @@ def test_none_matches_plain_ddp(outs):
     for r in outs:
         # float rounding only: the hook sums then divides, DDP divides then sums (≤ 1 ulp per value)
         assert max(r["none_diff"]) <= 1e-6 * r["none_scale"], r["none_diff"]
-        assert r["none_stats"]["strategy"] == "allreduce" and r["none_stats"]["bits_per_coord"] == 32.0
+        st = r["none_stats"]
+        # every value at 32 bits, plus the step's agreement (non-finite, damaged) riding in the same
+        # all-reduce: two more float32 values, 2(M−1)/M·8 = 8 bytes with 2 ranks
+        assert st["strategy"] == "allreduce" and st["bytes_sent"] == 4 * st["coords"] + 8, st
 
 
 def test_quantizers_keep_replicas_identical(outs):
@@ -272,6 +291,15 @@ def test_policy_warmup_and_totals(outs):
         assert r["warmup_quantized"] == 0
         assert r["policy_quantized"] == 4096 + 640  # 2.weight named fp32; 4.weight (640) ≥ min_numel=500
         assert r["totals"]["steps"] == 2 and r["totals"]["bytes_sent"] > 0 and r["totals"]["seconds"] > 0
+
+
+def test_jobs_start_during_the_backward_pass_and_futures_complete_later(outs):
+    for r in outs:
+        assert all(r["overlap_same"]) and r["overlap_groups"] == 2, r["overlap_groups"]
+        assert r["overlap_seen"] and not any(done for _, done, _ in r["overlap_seen"]), r["overlap_seen"]
+        # the first step learns the groups at its last bucket; later steps launch before it
+        assert all(n == 0 for step, _, n in r["overlap_seen"] if step == 0)
+        assert any(n > 0 for step, _, n in r["overlap_seen"] if step > 0), r["overlap_seen"]
 
 
 def test_single_rank_group_is_local(outs):
@@ -335,3 +363,16 @@ def test_which_schemes_are_batched_into_one_call_per_step():
                        ("qsgd:bits=4,bucket=none", False), ("terngrad", False), ("terngrad:bucket=128", False),
                        ("maxnorm:bits=4", False), ("maxnorm:bits=4,bucket=64", True)]:
         assert _bucketed(gradq.build(spec)) is want, spec
+
+
+def test_groups_are_cut_in_reverse_model_order_and_listed_in_model_order():
+    from gradq.ddp import _make_groups
+
+    names = ["a.w", "a.b", "b.w", "b.b", "c.w", "c.b"]
+    numels = [1000, 10, 3000, 10, 500, 10]
+    groups = _make_groups(names, numels, cap_bytes=4 * 2000)
+    # from the back: c.b+c.w+b.b+b.w reach 2000 values; a.b+a.w are the rest
+    assert [g.names for g in groups] == [("b.w", "b.b", "c.w", "c.b"), ("a.w", "a.b")]
+    assert [g.index for g in groups] == [0, 1] and groups[0].numels == (3000, 10, 500, 10)
+    assert [g.names for g in _make_groups(names, numels, cap_bytes=1)] == [(n,) for n in reversed(names)]
+    assert len(_make_groups(names, numels, cap_bytes=1 << 30)) == 1

@@ -111,7 +111,9 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
         c.add_argument("--hook-warmup-steps", type=int, default=0, help="first steps averaged in fp32")
         c.add_argument("--uncompressed", action="append", default=[], metavar="NAME",
                        help="a parameter name left uncompressed (repeatable)")
-        c.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+        c.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "cuda:gloo"],
+                       help="gloo (CPU, default), nccl (one GPU per process), or cuda:gloo (gloo on GPU tensors: "
+                            "several processes may share one GPU; for testing)")
         c.add_argument("--log-every", type=int, default=1, help="write a step row every N steps")
         c.add_argument("--comm-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="seconds a collective may wait for the other ranks before the run fails with an "

@@ -67,11 +67,25 @@ def test_shards_are_disjoint_equal_and_reproducible():
     assert not torch.equal(shards[0][0], _shard(n, cfg, world, 0, epoch=2)[0])  # a new permutation
 
 
-def test_hook_clock_counts_overlapping_spans_once():
-    c = _HookClock(lambda s, b: None)
-    c.spans = [(0.0, 1.0), (0.5, 2.0), (3.0, 3.5), (3.1, 3.2)]
+def test_hook_clock_counts_what_the_step_waited_for():
+    spans = [(0.0, 1.0), (0.5, 2.0), (3.0, 3.5), (3.1, 3.2)]
+    c = _HookClock(lambda s, b: None, sync=True)  # a blocking hook: every span, overlaps once
+    c.spans = list(spans)
     assert c.take() == pytest.approx(2.5)
     assert c.take() == 0.0
+    c = _HookClock(lambda s, b: None)  # an asynchronous one: from the last call to the last completion
+    c.spans = list(spans)
+    assert c.take() == pytest.approx(3.5 - 3.1)
+
+
+def test_exposed_time_is_apportioned_to_the_phases():
+    from gradq.train.runner import _exposed
+
+    st = {"wait_seconds": 0.1, "encode_seconds": 0.02, "comm_seconds": 0.06, "decode_seconds": 0.02}
+    assert _exposed(st) == pytest.approx((0.02, 0.06, 0.02))
+    st = {"wait_seconds": 0.05, "encode_seconds": 0.1, "comm_seconds": 0.2, "decode_seconds": 0.1}
+    assert sum(_exposed(st)) == pytest.approx(0.05) and _exposed(st)[1] == pytest.approx(0.025)
+    assert _exposed({"wait_seconds": 0.01, "encode_seconds": 0, "comm_seconds": 0, "decode_seconds": 0}) == (0, 0.01, 0)
 
 
 def test_hook_clock_wraps_hooks_async_and_sync():

@@ -53,8 +53,24 @@ def finished(run_dir: Path, cfg: TrainConfig) -> Optional[bool]:
         return False
 
 
+def _check_local_devices(cfg: TrainConfig) -> None:
+    """Refuse, before anything runs, a GPU backend that the local workers cannot have."""
+    if cfg.backend == "gloo":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise RuntimeError(f"--backend {cfg.backend} needs a GPU, and this machine has none")
+    if cfg.backend == "nccl" and cfg.workers > gpus:
+        raise RuntimeError(f"--backend nccl runs one process per GPU: {cfg.workers} workers for {gpus} GPU(s) "
+                           f"(NCCL refuses two ranks on one GPU); use --workers {gpus}, or --backend cuda:gloo "
+                           "to share a GPU")
+
+
 def _local(cfg: TrainConfig, run_dir: Path, net: Any, timeout: Optional[float]) -> None:
     from ..netem import launch
+
 
     cmd = [sys.executable, "-m", "gradq.train.launch", "--worker", json.dumps(cfg.to_json()), str(run_dir)]
     threads = max(1, (os.cpu_count() or 1) // cfg.workers)
@@ -75,6 +91,10 @@ def run_all(configs: Sequence[TrainConfig], out: str | os.PathLike, *, force: bo
                                   "--out, or pass --force to overwrite it")
         todo.append(state is not True)
     torchrun = under_torchrun()
+    if not torchrun:
+        for cfg, run in zip(configs, todo):
+            if run:
+                _check_local_devices(cfg)
     if torchrun:
         import torch.distributed as dist
 

@@ -52,6 +52,10 @@ from ..comm._util import collective
 __all__ = ["TrainConfig", "train_worker", "baseline_kind", "run_dir_name"]
 
 OPTIMIZERS = ("sgd", "adam")
+#: process-group backends whose tensors live on the GPU: NCCL, and gloo over CUDA tensors ("cuda:gloo",
+#: which runs several ranks on one GPU — the test harness, since NCCL refuses that)
+CUDA_BACKENDS = ("nccl", "cuda:gloo")
+BACKENDS = ("gloo",) + CUDA_BACKENDS
 SCHEDULES = ("constant", "cosine", "step")
 
 
@@ -95,6 +99,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.comm_timeout > 0:
             raise ValueError(f"comm_timeout must be positive, got {self.comm_timeout!r}")
         if self.warmup_epochs < 0:
@@ -160,6 +166,7 @@ class _HookClock:
 
     def __init__(self, inner: Callable, sync: bool = False) -> None:
         self.spans: list[tuple[float, float]] = []
+        self.sync = sync
 
         def hook(state, bucket):  # noqa: ANN001, ANN202
             t0 = time.perf_counter()
@@ -176,8 +183,17 @@ class _HookClock:
         self.hook = hook
 
     def take(self) -> float:
-        """Seconds covered by the recorded intervals since the last call (overlaps counted once)."""
+        """Seconds of the step spent waiting for communication, since the last call.
+
+        A synchronous hook blocks the backward pass for its whole call: the intervals' union (overlaps
+        counted once). An asynchronous one (DDP's all-reduce) runs beside the backward pass; only what
+        is left once the last bucket has been handed over adds to the step: from the last call to the
+        last completion — the same "exposed" measure as gradq's ``wait_seconds``."""
         spans, self.spans = sorted(self.spans), []
+        if not spans:
+            return 0.0
+        if not self.sync:
+            return max(0.0, max(b for _, b in spans) - max(a for a, _ in spans))
         total, end = 0.0, -math.inf
         for a, b in spans:
             if b > end:
@@ -278,10 +294,26 @@ def train_worker(cfg: TrainConfig, out_dir: str | os.PathLike) -> Optional[dict[
         lifecycle.teardown(destroy=own_group)
 
 
+def _exposed(stats: dict[str, Any]) -> tuple[float, float, float]:
+    """The hook's share of a step's wall time, as (encode, communicate, decode) seconds.
+
+    The hook works beside the backward pass; only the time the step then waited for it
+    (``wait_seconds``) adds to the step. That exposed time is apportioned to the three phases in the
+    proportion the hook's jobs spent in each (what ran hidden behind the backward pass counts as
+    compute, since the step would have taken that long without communicating)."""
+    exposed = float(stats.get("wait_seconds", 0.0))
+    parts = [float(stats["encode_seconds"]), float(stats["comm_seconds"]), float(stats["decode_seconds"])]
+    total = sum(parts)
+    if total <= 0:
+        return 0.0, exposed, 0.0
+    enc, com, dec = (exposed * p / total for p in parts)
+    return enc, com, dec
+
+
 def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str) -> Optional[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    if cfg.backend == "nccl":
+    if cfg.backend in CUDA_BACKENDS:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     data = load_dataset(cfg.data, seed=cfg.seed, test_fraction=cfg.test_fraction)
@@ -329,7 +361,9 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
         for epoch in range(1, cfg.epochs + 1):
             acc = {"compute_s": 0.0, "encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "bytes_sent": 0.0}
             bits, errs = [], []
-            sums = torch.zeros(3, dtype=torch.float64)  # loss·n, correct, n over this rank's batches
+            # loss·n, correct, n over this rank's batches; on the model's device, since a collective on a
+            # CPU tensor fails on NCCL (float64: NCCL and gloo both sum it)
+            sums = torch.zeros(3, dtype=torch.float64, device=device)
             t_epoch = time.perf_counter()
             for idx in _shard(x_tr.shape[0], cfg, world, rank, epoch):
                 lr = _lr_at(cfg, step, steps_per_epoch)
@@ -349,10 +383,7 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                 wall += dt
                 if state is not None:
                     ls = state.last_stats
-                    # all of the hook's time that is not encoding or decoding counts as communication:
-                    # its collectives (float32 tensors, the NaN agreement, the error measurement) and waits
-                    enc, dec = ls["encode_seconds"], ls["decode_seconds"]
-                    com = max(0.0, ls["seconds"] - enc - dec)
+                    enc, com, dec = _exposed(ls)
                     sent, bpc = int(ls["bytes_sent"]), float(ls["bits_per_coord"])
                     rel = ls.get("rel_error")
                 else:
@@ -369,7 +400,7 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                     errs.append(rel)
                 lv = float(loss.detach())
                 sums += torch.tensor([lv * len(idx), float((out_b.argmax(1) == y_tr[idx]).sum()), len(idx)],
-                                     dtype=torch.float64)
+                                     dtype=torch.float64, device=device)
                 if step % cfg.log_every == 0:
                     write({"kind": "step", "epoch": epoch, "step": step, "loss": lv, "lr": lr, "wall_s": wall,
                            "compute_s": comp, "encode_s": enc, "comm_s": com, "decode_s": dec,
