@@ -16,10 +16,16 @@ Cases:
 * ``prim:*`` — the stock gloo primitives on packed 4-bit-sized buffers (``mb/8`` bytes in all), and the
   point-to-point ring all-gather gradq uses; the fp32 ``all_reduce`` of the whole gradient is the baseline.
 * ``gradq:PROTOCOL SPEC`` — ``gradq.comm`` called on the flat gradient (one tensor).
-* ``hook:NAME`` — one DDP training step's hook time on a model whose gradient is the same size (four
-  ``(k, k)`` matrices, DDP's default 25 MB buckets), summed over the step's buckets. Hooks that return
-  a pending future are waited for inside the timing, so every hook is compared the same, without
-  overlap with the backward pass. ``hook:allreduce`` is DDP's default averaging; PyTorch's
+* ``hook:NAME`` — one DDP training step on a model whose gradient is the same size (four ``(k, k)``
+  matrices, DDP's default 25 MB buckets; its backward pass only copies the gradients in). PyTorch's
+  hooks: their time summed over the step's buckets, each future waited for inside the timing (PowerSGD
+  issues collectives from its callbacks, which gloo cannot interleave). gradq's hook completes its
+  buckets' futures together at the step's end, so it is timed as the whole step (forward, backward and
+  every bucket), which also counts the near-free forward and backward passes and DDP's copies of the
+  gradients into its buckets and back; ``hook:DDP default, whole step`` is DDP's own averaging timed
+  the same way, and ``hook:no communication, whole step`` the step under ``no_sync``: the lines under
+  the table compare the communication each step adds (whole step minus that), gradq's against DDP's.
+  The whole-step rows use ``gradient_as_bucket_view=True`` (no copies between gradients and buckets). ``hook:allreduce`` is DDP's default averaging; PyTorch's
   ``fp16_compress_hook``, ``quantization_pertensor_hook`` and ``powerSGD_hook`` (rank 1 and 4, error
   feedback and warm start on, compressing from its 2nd step) run next to ``gradq.register``.
 
@@ -136,8 +142,9 @@ def _hook_cases(n: int, world: int, rank: int) -> list[tuple[str, Callable[[], A
     numel = 4 * k * k
     cases = []
 
-    def make(name: str, install: Callable[[DDP], tuple[Any, Callable]], nbytes: Callable[[Any], int]):
-        model = DDP(_Wide(k))
+    def make(name: str, install: Callable[[DDP], tuple[Any, Callable]], nbytes: Callable[[Any], int],
+             whole_step: bool = False):
+        model = DDP(_Wide(k), gradient_as_bucket_view=whole_step)
         hook_state, hook = install(model)
         times: list[float] = []
 
@@ -147,17 +154,31 @@ def _hook_cases(n: int, world: int, rank: int) -> list[tuple[str, Callable[[], A
             fut.wait()
             times.append(time.perf_counter() - t0)
             return fut
-        model.register_comm_hook(hook_state, timed)
+        if whole_step:
+            model.register_comm_hook(hook_state, hook)
+        else:
+            model.register_comm_hook(hook_state, timed)
 
         def run():
             times.clear()
+            t0 = time.perf_counter()
             model.zero_grad(set_to_none=False)
             model(grads).backward()
-            return sum(times)
+            return time.perf_counter() - t0 if whole_step else sum(times)
         cases.append((f"hook:{name}", run, lambda: nbytes(hook_state)))
+        if whole_step and not any(c[0] == "hook:no communication, whole step" for c in cases):
+            def local():  # the same step without averaging: what the whole-step rows also count
+                t0 = time.perf_counter()
+                model.zero_grad(set_to_none=False)
+                with model.no_sync():
+                    model(grads).backward()
+                return time.perf_counter() - t0
+            cases.append(("hook:no communication, whole step", local, lambda: 0))
 
     ring = lambda item: 2 * (world - 1) * item * numel // world  # noqa: E731
     make("allreduce (DDP default)", lambda m: (None, default_hooks.allreduce_hook), lambda s: ring(4))
+    make("DDP default, whole step", lambda m: (None, default_hooks.allreduce_hook), lambda s: ring(4),
+         whole_step=True)
     make("fp16_compress_hook", lambda m: (None, default_hooks.fp16_compress_hook), lambda s: ring(2))
     make("quantization_pertensor_hook", lambda m: (None, quantization_hooks.quantization_pertensor_hook),
          lambda s: (world - 1) * (numel + 8 * 4))
@@ -173,7 +194,7 @@ def _hook_cases(n: int, world: int, rank: int) -> list[tuple[str, Callable[[], A
     for spec in ("qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512", "maxnorm:bits=4"):
         # what gradq.register(model, spec) installs
         make(f"gradq {spec}", lambda m, spec=spec: (gradq.GradqState(spec, module=m), gradq_hook),
-             lambda s: int(s.last_stats.get("bytes_sent", 0)))
+             lambda s: int(s.last_stats.get("bytes_sent", 0)), whole_step=True)
     return cases
 
 
@@ -242,6 +263,18 @@ def table(result: dict[str, Any], title: str) -> str:
         med = statistics.median(r["times"])
         out.append(f"| {r['case']} | {r['bytes_per_worker'] / 1e6:.2f} MB | {1e3 * med:.1f} | "
                    f"{1e3 * min(r['times']):.1f}–{1e3 * max(r['times']):.1f} | {t_base / med:.2f} |")
+    med = {r["case"]: statistics.median(r["times"]) for r in rows if r["times"]}
+    step = med.get("hook:DDP default, whole step")
+    local = med.get("hook:no communication, whole step", 0.0)
+    if step:
+        out.append("")
+        out.append(f"Communication per step (whole step − the same step without averaging, {1e3 * local:.1f} ms):")
+        for case, t in med.items():
+            if case.startswith("hook:gradq "):
+                spec = case[len("hook:gradq "):]
+                proto = med.get(f"gradq:scatter {spec}")
+                also = f"; the protocol alone: {t_base / proto:.2f}× the fp32 all_reduce" if proto else ""
+                out.append(f"- {case}: {(step - local) / (t - local):.2f}× DDP's{also}")
     return "\n".join(out)
 
 

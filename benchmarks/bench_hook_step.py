@@ -11,6 +11,9 @@ rank on emulated links, ``gradq.netem``), on a model (``--model``), each rank me
 * ``step ddp``  a DDP step (forward + backward) with DDP's own float32 averaging;
 * ``step hook`` a DDP step with ``gradq.register(ddp, SPEC)``.
 
+The cases are interleaved (one of each per repeat, each after a barrier), so that a drift of the
+machine or of the emulated link affects all of them alike.
+
 It prints ``step hook / (compute + protocol)`` (below 1: the hook hides communication behind the
 backward pass), the speed-ups of the hook's step and of the protocol over their float32 counterparts,
 and the communication each step adds to ``compute`` (``step − compute``): the hook's against DDP's.
@@ -65,18 +68,6 @@ def _median_over_ranks(times: list[float]) -> float:
     return statistics.median(t.tolist())
 
 
-def _time(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return _median_over_ranks(out)
-
-
 def worker(args: argparse.Namespace) -> None:
     from gradq.comm import lifecycle
 
@@ -96,52 +87,56 @@ def _measure(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = torch.nn.functional.cross_entropy
     model, x, y = _model(args.model)
+    q = gradq.build(args.spec)
+    protocol = choose_protocol(q, world)
+    cap = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
+    base, _, _ = _model(args.model)
+    ddp_base = DDP(base, **cap)
+    hooked, _, _ = _model(args.model)
+    ddp = DDP(hooked, **cap)
+    state = gradq.register(ddp, args.spec)
+    seed = [0]
+    stats: list[dict[str, Any]] = []
 
     def local_step() -> None:
         model.zero_grad(set_to_none=False)
         loss_fn(model(x), y).backward()
 
-    compute = _time(local_step, args.repeats)
+    local_step()
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    q = gradq.build(args.spec)
-    protocol = choose_protocol(q, world)
-    seed = [0]
 
     def proto() -> None:
         seed[0] += 1
         average(flat.clone(), q, protocol, seed=seed[0], verify=False)
 
-    t_proto = _time(proto, args.repeats)
-    t_ar = _time(lambda: dist.all_reduce(flat.clone()), args.repeats)
-
-    def ddp_step(ddp: DDP) -> Callable[[], None]:
+    def step(m: DDP) -> Callable[[], None]:
         def run() -> None:
-            ddp.zero_grad(set_to_none=False)
-            loss_fn(ddp(x), y).backward()
+            m.zero_grad(set_to_none=False)
+            loss_fn(m(x), y).backward()
+            if m is ddp:
+                stats.append(dict(state.last_stats))
         return run
 
-    base, _, _ = _model(args.model)
-    cap = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
-    t_ddp = _time(ddp_step(DDP(base, **cap)), args.repeats)
-    hooked, _, _ = _model(args.model)
-    ddp = DDP(hooked, **cap)
-    state = gradq.register(ddp, args.spec)
-    stats: list[dict[str, Any]] = []
-    run_hook = ddp_step(ddp)
-
-    def hook_step() -> None:
-        run_hook()
-        stats.append(dict(state.last_stats))
-
-    t_hook = _time(hook_step, args.repeats)
+    cases = {"compute_s": local_step, "protocol_s": proto, "allreduce_s": lambda: dist.all_reduce(flat.clone()),
+             "step_ddp_s": step(ddp_base), "step_hook_s": step(ddp)}
+    for fn in cases.values():  # warm-up (the hook's first step also learns its groups)
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.repeats):  # interleaved, so that a drift of the machine or the link hits every case
+        for k, fn in cases.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    res = {k: _median_over_ranks(v) for k, v in times.items()}
     phases = {k: statistics.median(s_.get(k, 0.0) for s_ in stats[-args.repeats:])
               for k in ("seconds", "wait_seconds", "encode_seconds", "comm_seconds", "decode_seconds")}
     if rank == 0:
-        res = {"model": args.model, "spec": args.spec, "world": world, "protocol": protocol,
-               "parameters": sum(p.numel() for p in model.parameters()), "compute_s": compute,
-               "protocol_s": t_proto, "allreduce_s": t_ar, "step_ddp_s": t_ddp, "step_hook_s": t_hook,
-               "hook_groups": state.last_stats.get("groups"), "hook_bits_per_coord": state.last_stats["bits_per_coord"],
-               "hook_phases_rank0": phases}
+        res.update(model=args.model, spec=args.spec, world=world, protocol=protocol,
+                   parameters=sum(p.numel() for p in model.parameters()), bucket_mb=args.bucket_mb,
+                   hook_groups=state.last_stats.get("groups"), hook_bits_per_coord=state.last_stats["bits_per_coord"],
+                   hook_phases_rank0=phases)
         with open(args.results, "w") as f:
             json.dump(res, f)
 

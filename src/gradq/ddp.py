@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .comm import derive_seed
 from .comm.api import average, choose_protocol
+from .comm.scatter import ScatterPipeline
 from .comm._util import check_timeout, collective, sum_over_ranks, time_limit
 from .errors import CommunicationError, NonFiniteError, PayloadError
 from .quantizers.base import Quantizer
@@ -294,6 +295,10 @@ class GradqState:
         """Restore :meth:`state_dict`; the spec and settings must match this state's."""
         saved = dict(state["settings"])
         mine = self.settings()
+        if "group_mb" not in saved:  # written before the hook grouped parameters: its layout was per step
+            logger.warning("GradqState.load_state_dict: the checkpoint predates parameter groups; the run "
+                           "continues, but not bit for bit as the run that wrote it would have")
+            saved["group_mb"] = mine["group_mb"]
         diff = [k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)]
         if diff:
             diff = sorted(diff)
@@ -388,11 +393,11 @@ class _Figures:
     nonfinite_names: list[str] = field(default_factory=list)
     events: list[tuple[str, Any, Any]] = field(default_factory=list)  # CUDA phase events
 
-    def add_protocol(self, info: Mapping[str, Any], name: str) -> None:
+    def add_protocol(self, info: Mapping[str, Any], name: Optional[str]) -> None:
         for k in ("encode_s", "comm_s", "decode_s"):
             setattr(self, k, getattr(self, k) + info.get(k, 0.0))
         self.damaged += info.get("damaged", 0)
-        self.damaged_what += [f"{name}: {w}" for w in info.get("damaged_what", [])]
+        self.damaged_what += [w if name is None else f"{name}: {w}" for w in info.get("damaged_what", [])]
 
 
 class _Step:
@@ -423,6 +428,9 @@ class _Step:
         self.launched: list[int] = []
         self.fp32: list[tuple[str, torch.Tensor]] = []  # the float32-policy tensors, averaged at the end
         self.t_close: Optional[float] = None  # when the last bucket arrived (the backward pass ended)
+        self.pipe: Optional[ScatterPipeline] = None  # the step's scatter calls, pipelined across groups
+        self.pipe_info: dict[str, Any] = {}
+        self.side: list[tuple[str, Any]] = []  # protocol calls queued on the comm lane behind the pipeline's exchanges
         self.jobs: list[Any] = []
         self.error: Optional[BaseException] = None
         self.fig = _Figures()
@@ -600,24 +608,74 @@ class _Step:
         return "allgather" if nbytes is not None and nbytes <= SMALL_PAYLOAD else "scatter"
 
     def _quantized(self, x: torch.Tensor, name: str, seed: int) -> None:
+        """Average ``x`` in place through the quantized protocol, in the step's one order of collectives."""
         state, fig = self.state, self.fig
-        info: dict[str, Any] = {"cuda_events": fig.events} if self.cuda else {}
+        protocol = self._protocol_for(x.numel())
+        fig.quantized_coords += x.numel()
+        if protocol == "scatter" and not state.measure_error and x.dtype == torch.float32 and x.is_contiguous():
+            # into the step's pipeline: this group's exchanges overlap the next group's encoding
+            self._pipeline().add(x.view(-1), x.view(-1), seed=seed, name=name)
+            return
+
+        def call() -> tuple[dict[str, Any], int, float, float]:
+            return self._protocol_call(x, protocol, name, seed)
+        if self.pipe is not None and self.pipe.pipelined and protocol != "scatter":
+            # the pipeline's exchanges are queued on the comm lane: this call goes behind them, so
+            # every rank issues the step's collectives in one order (it holds no lane job of its own)
+            from .comm.scatter import _lane
+
+            self.side.append((name, _lane().submit(call)))
+            return
+        self._flush_pipeline()  # (a scatter call of its own may queue on the lane itself)
+        self._collect(*call(), name)
+
+    def _protocol_call(self, x: torch.Tensor, protocol: str, name: str,
+                       seed: int) -> tuple[dict[str, Any], int, float, float]:
+        """One protocol call; returns its figures (added up by the job thread: :meth:`_collect`)."""
+        state = self.state
+        info: dict[str, Any] = {"cuda_events": []} if self.cuda else {}
         exact = None
         if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
             exact = x.detach().clone()
             collective("the exact all-reduce for the error measurement", dist.all_reduce, exact,
                        group=state.process_group)
             exact.div_(self.world)
-        _, nbytes = average(x, state.quantizer, self._protocol_for(x.numel()), group=state.process_group, seed=seed,
-                            name=name,
+        _, nbytes = average(x, state.quantizer, protocol, group=state.process_group, seed=seed, name=name,
                             rank=self.rank, out=x, info=info, verify=False,  # sizes: DDP's; spec: checked at step 0
                             checksum=state.checksum, defer_damage=True)    # damage: agreed at the step's end
-        fig.add_protocol(info, name)
-        fig.bytes_sent += nbytes
-        fig.quantized_coords += x.numel()
+        err2 = ref2 = 0.0
         if exact is not None:  # (a host read: only when the user asked for the error)
-            fig.err2 += float((x.detach().double() - exact.double()).square().sum())
-            fig.ref2 += float(exact.double().square().sum())
+            err2 = float((x.detach().double() - exact.double()).square().sum())
+            ref2 = float(exact.double().square().sum())
+        return info, nbytes, err2, ref2
+
+    def _collect(self, info: dict[str, Any], nbytes: int, err2: float, ref2: float, name: Optional[str]) -> None:
+        fig = self.fig
+        fig.add_protocol(info, name)
+        fig.events += info.get("cuda_events", [])
+        fig.bytes_sent += nbytes
+        fig.err2 += err2
+        fig.ref2 += ref2
+
+    def _pipeline(self) -> ScatterPipeline:
+        """The step's scatter pipeline (created at its first scatter call)."""
+        if self.pipe is None:
+            self.pipe_info = {"cuda_events": self.fig.events} if self.cuda else {}
+            self.pipe = ScatterPipeline(self.state.quantizer, group=self.state.process_group,
+                                        checksum=self.state.checksum, info=self.pipe_info, device=self.device)
+        return self.pipe
+
+    def _flush_pipeline(self) -> None:
+        """Finish the pipeline's segments and the calls queued behind them (before any collective this
+        thread issues itself: the step's last one, or a protocol call of its own)."""
+        if self.pipe is not None:
+            self.pipe.flush()
+            self.fig.add_protocol(self.pipe_info, None)  # (its notes name the tensors)
+            self.fig.bytes_sent += self.pipe.sent
+            self.pipe = None
+        side, self.side = self.side, []
+        for name, job in side:
+            self._collect(*job.result(), name)
 
     def _fp32(self, parts: list[tuple[str, torch.Tensor]], tail: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """One float32 all-reduce of ``parts`` (model order) followed by ``tail``; returns the summed tail."""
@@ -639,6 +697,7 @@ class _Step:
         """The step's last collective: the float32-policy tensors of every group (in model order, so each
         value's place in the buffer, and the order gloo's ring adds it in, depends on the model alone)
         followed by this rank's non-finite groups and damaged payloads, summed over ranks."""
+        self._flush_pipeline()
         local = torch.zeros(2, dtype=torch.float32, device=self.device)
         local[0] = self.local_bad if not isinstance(self.local_bad, int) else float(self.local_bad)
         local[1] = float(self.fig.damaged)

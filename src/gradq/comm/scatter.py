@@ -53,7 +53,7 @@ from . import lifecycle
 from ._util import (all_gather_bytes, check_inputs, collective, note_damage, phase, plain, raise_if_damaged, seal,
                     seal_bytes, sealed_payload, unseal)
 
-__all__ = ["scatter_allgather", "scatter_bytes_per_worker", "SEGMENT_NUMEL"]
+__all__ = ["scatter_allgather", "scatter_bytes_per_worker", "ScatterPipeline", "SEGMENT_NUMEL"]
 
 #: coordinates per pipeline segment: large tensors are cut into segments so that the encode of one
 #: segment, the exchanges of the previous ones and the decode of older ones run at the same time
@@ -218,8 +218,6 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
     Returns:
         ``out``, or a new tensor of ``x``'s shape and dtype.
     """
-    from . import derive_seed
-
     if second_ef is not None and not isinstance(second_ef, ErrorFeedback):
         raise TypeError(f"second_ef must be a gradq.ErrorFeedback (it holds the memory), "
                         f"got {type(second_ef).__name__}")
@@ -229,45 +227,123 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
     if isinstance(seg, bool) or not isinstance(seg, int) or seg < 1:
         raise ValueError(f"segment must be a positive int, got {segment!r}")
     q2: Quantizer = plain(q) if second_ef is None else second_ef
-    rank, world = check_inputs("scatter_allgather", x, q, group, [zlib.crc32(q2.spec.encode("utf-8")), seg],
-                               verify=verify)
+    check_inputs("scatter_allgather", x, q, group, [zlib.crc32(q2.spec.encode("utf-8")), seg], verify=verify)
     n = x.numel()
-    nseg = max(1, -(-n // seg))
     flat = x.detach().reshape(-1).to(torch.float32)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=x.device)  # type: ignore[union-attr]
-    lane: Any = _Inline if nseg == 1 else _lane()
-    trailer = seal_bytes(x.device, checksum)
     info = {} if info is None else info
+    pipe = ScatterPipeline(q, group=group, second_ef=second_ef, checksum=checksum, info=info,
+                           pipelined=max(1, -(-n // seg)) > 1, device=x.device)
+    pipe.add(flat, res, seed=seed, name=name, segment=seg)
+    pipe.flush()
+    info.update(chunk=pipe.first_chunk, segments=pipe.segments, bytes_sent=pipe.sent)
+    raise_if_damaged("scatter_allgather", info, defer_damage)
+    if direct:
+        return out  # type: ignore[return-value]
+    res = res.reshape(x.shape).to(x.dtype)
+    return res if out is None else out.copy_(res)
 
-    def submit(fn: Callable[[], Any]) -> Future:
-        if nseg > 1:
-            return lane.submit(fn)
-        with phase(info, "comm"):  # one segment: the exchange runs here and now
-            return lane.submit(fn)
-    sent = [0]
-    chunk_of: dict[int, int] = {}
 
-    def tags(s: int) -> tuple[int, str]:
-        # one segment keeps the plain seeds and keys; segment s of several gets its own
-        return (seed, "") if nseg == 1 else (derive_seed(seed, None, f"segment{s}"), f"@{s}")
+class ScatterPipeline:
+    """The scatter/all-gather protocol (module docstring) as a software pipeline over a stream of
+    segments, which may arrive over time (the DDP hook adds its groups as the backward pass produces
+    them). Steps per segment ``s``: ``encode`` (chunks encoded, their all-to-all queued on the comm
+    lane), ``reduce`` (wait for it, decode-and-average this rank's chunk, re-encode, queue the
+    all-gather) and ``finish`` (wait for it, decode into the output). After each new segment, the
+    previous one is reduced and the one before finished, so the lane receives a2a(0), a2a(1),
+    gather(0), a2a(2), gather(1), … in the same order on every rank, while this thread encodes and
+    decodes beside the transfers. :meth:`flush` drains the pipeline.
 
-    def span(s: int) -> tuple[int, int]:
-        return s * seg, min(n, (s + 1) * seg)
+    ``pipelined=False`` runs each exchange at once on the calling thread (a single segment: nothing
+    to overlap). ``info`` receives the encode/comm/decode seconds and damage notes; :attr:`sent` is the
+    bytes this rank sent so far."""
 
-    def encode(s: int) -> Future:  # steps 1-3
-        a, b = span(s)
-        sd, tg = tags(s)
-        pieces, chunk = _chunks(flat[a:b], world)
-        chunk_of[s] = chunk
+    def __init__(self, q: Quantizer, *, group: Any = None, second_ef: Optional[ErrorFeedback] = None,
+                 checksum: bool = True, info: Optional[dict] = None, pipelined: bool = True,
+                 device: Optional[torch.device] = None) -> None:
+        # CUDA tensors: every exchange is issued from this thread, on the stream that wrote its buffer
+        # (the backend's collectives run asynchronously on the GPU already; a second thread would issue
+        # them on another stream with nothing ordering the two)
+        pipelined = pipelined and (device is None or torch.device(device).type == "cpu")
+        self.q = q
+        self.q2: Quantizer = plain(q) if second_ef is None else second_ef
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.checksum = checksum
+        self.info = {} if info is None else info
+        self.lane: Any = _lane() if pipelined else _Inline
+        self.pipelined = pipelined
+        self.sent = 0
+        self.segments = 0
+        self.first_chunk = 0
+        self._stages: list[tuple[str, int, Future]] = []  # ("a2a" | "gather", segment, future), oldest first
+        self._seg: dict[int, dict[str, Any]] = {}
+
+    # -- the stream ----------------------------------------------------------------------------------
+    def add(self, flat: torch.Tensor, out: torch.Tensor, *, seed: int, name: Optional[str],
+            segment: int = SEGMENT_NUMEL) -> None:
+        """Average the float32 vector ``flat`` into ``out`` (same length; may be ``flat`` itself),
+        cut into segments of ``segment`` values; a vector of several segments gets seeds
+        ``derive_seed(seed, None, f"segment{s}")`` and keys suffixed ``@s``, one segment keeps ``seed``
+        and plain keys (as :func:`scatter_allgather`). ``out`` is written by later calls or :meth:`flush`."""
+        from . import derive_seed
+
+        n = flat.numel()
+        nseg = max(1, -(-n // segment))
+        for k in range(nseg):
+            a, b = k * segment, min(n, (k + 1) * segment)
+            sd, tg = (seed, "") if nseg == 1 else (derive_seed(seed, None, f"segment{k}"), f"@{k}")
+            self._push(flat[a:b], out[a:b], sd, name, tg)
+
+    def flush(self) -> None:
+        """Finish every segment added so far."""
+        while self._stages:
+            self._advance()
+
+    # -- stages --------------------------------------------------------------------------------------
+    def _push(self, x: torch.Tensor, out: torch.Tensor, seed: int, name: Optional[str], tag: str) -> None:
+        s = self.segments
+        self.segments += 1
+        self._stages.append(("a2a", s, self._encode(s, x, out, seed, name, tag)))
+        # the pipeline keeps one exchange of each kind in flight: reduce the previous segment, finish the one before
+        # (the lane then receives a2a(s), gather(s-1); and segment s-2 is decoded meanwhile)
+        while sum(1 for kind, _, _ in self._stages if kind == "a2a") > 1 or len(self._stages) > 2:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Move the oldest stage on: reduce a segment whose all-to-all was queued, or finish one
+        whose all-gather was."""
+        kind, s, fut = self._stages.pop(0)
+        if kind == "a2a":
+            self._stages.append(("gather", s, self._reduce(s, fut)))
+        else:
+            self._finish(s, fut)
+
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        if self.pipelined:
+            return self.lane.submit(fn)
+        with phase(self.info, "comm"):  # one segment: the exchange runs here and now
+            return self.lane.submit(fn)
+
+    def _encode(self, s: int, x: torch.Tensor, out: torch.Tensor, seed: int, name: Optional[str], tag: str) -> Future:
+        from . import derive_seed
+
+        q, rank, world = self.q, self.rank, self.world
+        trailer = seal_bytes(x.device, self.checksum)
+        pieces, chunk = _chunks(x, world)
+        if s == 0:
+            self.first_chunk = chunk
+        self._seg[s] = {"chunk": chunk, "out": out, "n": x.numel(), "seed": seed, "name": name, "tag": tag,
+                        "trailer": trailer}
         fixed = q.expected_nbytes(chunk)
         fixed = None if fixed is None else fixed + trailer
-        with phase(info, "encode"):
+        with phase(self.info, "encode"):
             payloads = []
             for j in range(world):
-                ss = derive_seed(sd, None, f"chunk{j}") if q.needs_shared_seed else None
-                payloads.append(q.encode(pieces[j], seed=derive_seed(sd, rank, f"chunk{j}"), shared_seed=ss,
-                                         name=_key(name, f"chunk{j}{tg}")))
+                ss = derive_seed(seed, None, f"chunk{j}") if q.needs_shared_seed else None
+                payloads.append(q.encode(pieces[j], seed=derive_seed(seed, rank, f"chunk{j}"), shared_seed=ss,
+                                         name=_key(name, f"chunk{j}{tag}")))
             send_sizes = [p.nbytes + trailer for p in payloads]
             if fixed is not None and any(sz != fixed for sz in send_sizes):
                 raise RuntimeError(f"{q.spec}: chunk payload sizes {send_sizes} differ from the promised {fixed}")
@@ -278,66 +354,51 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
                 p.to_bytes(out=flat_send[pos:pos + p.nbytes])
                 seal(flat_send[pos:pos + sz], trailer)
                 pos += sz
-        sent[0] += sum(send_sizes) - send_sizes[rank]
-        return submit(lambda: _exchange(flat_send, send_sizes, fixed, group))
+        self.sent += sum(send_sizes) - send_sizes[rank]
+        group = self.group
+        return self._submit(lambda: _exchange(flat_send, send_sizes, fixed, group))
 
-    def reduce(s: int, fut: Future) -> Future:  # steps 4-5
-        with phase(info, "comm"):  # what is left of the exchange once this thread needs it
+    def _reduce(self, s: int, fut: Future) -> Future:
+        from . import derive_seed
+
+        with phase(self.info, "comm"):  # what is left of the exchange once this thread needs it
             recv, recv_sizes = fut.result()
-        chunk = chunk_of[s]
-        sd, tg = tags(s)
-        with phase(info, "decode"):
+        st = self._seg[s]
+        chunk, trailer, rank = st["chunk"], st["trailer"], self.rank
+        with phase(self.info, "decode"):
             bodies, intact = zip(*(unseal(b, trailer) for b in torch.split(recv, recv_sizes)))
             for src in (m for m, ok in enumerate(intact) if not ok):
-                note_damage(info, f"chunk {rank} payload from rank {src}" + (f" (segment {s})" if nseg > 1 else ""))
+                where = f"{st['name']}: " if st["name"] else ""
+                note_damage(self.info, f"{where}chunk {rank} payload from rank {src}"
+                            + (f" (segment {st['tag'][1:]})" if st["tag"] else ""))
             # a damaged chunk is not decoded: the step will be refused, and its bytes could be anything
-            avg = _decode_mean(q, list(bodies), chunk) if all(intact) else flat.new_zeros(chunk)
-        with phase(info, "encode"):
-            pb = sealed_payload(q2.encode(avg, seed=derive_seed(sd, rank, "reencode"),
-                                          name=_key(name, f"avg{rank}{tg}")), trailer)
-        sent[0] += (world - 1) * int(pb.numel())
-        fixed2 = q2.expected_nbytes(chunk)
-        return submit(lambda: all_gather_bytes(pb, None if fixed2 is None else fixed2 + trailer, group))
+            avg = _decode_mean(self.q, list(bodies), chunk) if all(intact) else recv.new_zeros(chunk, dtype=torch.float32)
+        with phase(self.info, "encode"):
+            pb = sealed_payload(self.q2.encode(avg, seed=derive_seed(st["seed"], rank, "reencode"),
+                                               name=_key(st["name"], f"avg{rank}{st['tag']}")), trailer)
+        self.sent += (self.world - 1) * int(pb.numel())
+        fixed2 = self.q2.expected_nbytes(chunk)
+        group = self.group
+        return self._submit(lambda: all_gather_bytes(pb, None if fixed2 is None else fixed2 + trailer, group))
 
-    def finish(s: int, fut: Future) -> None:  # step 6
-        with phase(info, "comm"):
+    def _finish(self, s: int, fut: Future) -> None:
+        with phase(self.info, "comm"):
             gathered = fut.result()
-        a, b = span(s)
-        chunk = chunk_of[s]
-        with phase(info, "decode"):
-            _decode_into_place(gathered, a, b, chunk)
-
-    def _decode_into_place(gathered: list[torch.Tensor], a: int, b: int, chunk: int) -> None:
-        for j, sealed in enumerate(gathered):
-            lo, hi = a + j * chunk, min(b, a + (j + 1) * chunk)
-            buf, ok = unseal(sealed, trailer)
-            if not ok:
-                note_damage(info, f"averaged chunk {j} from rank {j}")
-            if hi <= lo:
-                continue
-            if not ok:
-                res[lo:hi] = 0.0
-                continue
-            pl = q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
-            if hi - lo == chunk:
-                q2.decode(pl, out=res[lo:hi])
-            else:
-                res[lo:hi] = q2.decode(pl)[: hi - lo]
-
-    # software pipeline; the jobs reach the comm lane in the same order on every rank:
-    # a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...
-    a2a: dict[int, Future] = {}
-    gat: dict[int, Future] = {}
-    for s in range(nseg + 2):
-        if s < nseg:
-            a2a[s] = encode(s)
-        if 1 <= s <= nseg:
-            gat[s - 1] = reduce(s - 1, a2a.pop(s - 1))
-        if s >= 2:
-            finish(s - 2, gat.pop(s - 2))
-    info.update(chunk=chunk_of.get(0, 0), segments=nseg, bytes_sent=sent[0])
-    raise_if_damaged("scatter_allgather", info, defer_damage)
-    if direct:
-        return out  # type: ignore[return-value]
-    res = res.reshape(x.shape).to(x.dtype)
-    return res if out is None else out.copy_(res)
+        st = self._seg.pop(s)
+        chunk, trailer, n, res = st["chunk"], st["trailer"], st["n"], st["out"]
+        with phase(self.info, "decode"):
+            for j, sealed in enumerate(gathered):
+                lo, hi = j * chunk, min(n, (j + 1) * chunk)
+                buf, ok = unseal(sealed, trailer)
+                if not ok:
+                    note_damage(self.info, (f"{st['name']}: " if st["name"] else "") + f"averaged chunk {j} from rank {j}")
+                if hi <= lo:
+                    continue
+                if not ok:
+                    res[lo:hi] = 0.0
+                    continue
+                pl = self.q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
+                if hi - lo == chunk:
+                    self.q2.decode(pl, out=res[lo:hi])
+                else:
+                    res[lo:hi] = self.q2.decode(pl)[: hi - lo]
