@@ -636,10 +636,9 @@ class _Step:
         info: dict[str, Any] = {"cuda_events": []} if self.cuda else {}
         exact = None
         if state.measure_error:  # the exact average, for the error report (costs an fp32 all-reduce)
-            exact = x.detach().clone()
-            collective("the exact all-reduce for the error measurement", dist.all_reduce, exact,
-                       group=state.process_group)
-            exact.div_(self.world)
+            exact, _ = sum_over_ranks(x.detach().reshape(-1).clone(), state.process_group,
+                                      what="the exact all-reduce for the error measurement")
+            exact = exact.view_as(x).div_(self.world)
         _, nbytes = average(x, state.quantizer, protocol, group=state.process_group, seed=seed, name=name,
                             rank=self.rank, out=x, info=info, verify=False,  # sizes: DDP's; spec: checked at step 0
                             checksum=state.checksum, defer_damage=True)    # damage: agreed at the step's end

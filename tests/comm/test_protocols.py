@@ -73,6 +73,9 @@ def _child(rank: int, world: int, tmp: str) -> None:
     small, big = grad(rank, 1000), grad(rank, SMALL_SUM_BYTES // 4 // world + 1)
     res["sum_small"] = sum_over_ranks(small.clone(), None)
     res["sum_big"] = sum_over_ranks(big.clone(), None)
+    from gradq.comm._util import reduce_over_ranks
+    res["max_small"] = reduce_over_ranks(small.clone(), None, op="max")[0]
+    res["min_big"] = reduce_over_ranks(big.clone(), None, op="min")[0]
     # all-gather of byte buffers of different lengths: small through one all-to-all, large by the ring
     for n in (10, SMALL_SUM_BYTES // world + 5):
         mine = torch.full((n + rank,), rank + 1, dtype=torch.uint8)
@@ -197,6 +200,8 @@ def test_sum_over_ranks_and_byte_gather(run):
     # the ring adds in its own order: equal to float rounding (a few ulps of the largest partial sum)
     assert torch.allclose(got, big.sum(0), rtol=0, atol=1e-5 * float(big.abs().sum(0).max()))
     assert sent == 2 * (world - 1) * 4 * big.shape[1] // world
+    assert torch.equal(outs[0]["max_small"], torch.stack(small).amax(0))  # MAX and MIN are exact in any order
+    assert torch.equal(outs[0]["min_big"], big.amin(0))
     for n in (10, SMALL_SUM_BYTES // world + 5):
         for r in range(world):
             blocks = outs[r][f"gather_bytes|{n}"]
@@ -207,7 +212,7 @@ def test_sum_over_ranks_and_byte_gather(run):
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api", "sum_", "gather_bytes")) or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes")) or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):
@@ -298,9 +303,10 @@ def test_refusals(run):
 def test_int8_allreduce_used_when_it_fits(run):
     world, outs = run
     info = outs[0]["info|" + _key("allreduce", "maxnorm:bits=4", 1001, {})]  # s = 7: M·s <= 28
-    # one byte per coordinate (uint8 fields c + 7 on the CPU fast path), plus the one float32 scale
+    # one byte per coordinate (uint8 fields c + 7 on the CPU fast path), plus the one float32 scale;
+    # both this small go through one all-to-all: (M−1) copies of each
     assert info["wire_dtype"] in (torch.int8, torch.uint8)
-    assert info["bytes_sent"] == 2 * (world - 1) * 1001 // world + 2 * (world - 1) * 4 // world
+    assert info["bytes_sent"] == (world - 1) * 1001 + (world - 1) * 4
 
 
 def test_code_dtype_never_overflows():

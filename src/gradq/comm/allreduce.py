@@ -24,7 +24,10 @@ So on gloo and NCCL an int16 choice is sent as int32 (:func:`reduce_dtype`); the
 :func:`code_dtype` still reports int16.
 
 Traffic per worker (ring all-reduce of ``n`` codes of ``b`` bytes): ``2(M−1)/M · n·b`` bytes, plus the
-same formula for the (small) shared stats.
+same formula for the (small) shared stats. A vector of at most ``SMALL_SUM_BYTES / M`` bytes (the
+stats, the codes of a small tensor) goes through one all-to-all instead and is combined locally
+(:func:`gradq.comm._util.reduce_over_ranks`: one round instead of ``2(M−1)``, for ``(M−1)·n·b``
+bytes); ``info["bytes_sent"]`` counts what was really sent.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, collective, phase
+from ._util import check_inputs, phase, reduce_over_ranks
 
 __all__ = ["shared_scale_allreduce", "code_dtype", "reduce_dtype", "allreduce_bytes_per_worker"]
 
-_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
+_OPS = ("max", "min", "sum")
 #: dtypes a backend's all_reduce cannot take, and what to send instead
 _PROMOTE = {"gloo": {torch.int16: torch.int32}, "nccl": {torch.int16: torch.int32}}
 
@@ -110,6 +113,7 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
     with phase(info, "encode"):
         stats = q.shared_stats(x, shared_seed=shared_seed, name=name)
     reduced: dict[str, torch.Tensor] = {}
+    sent = 0
     for key in sorted(stats):
         value, op = stats[key]
         if op not in _OPS:
@@ -118,8 +122,8 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         t = value.detach().to(wire).contiguous().clone()
         with phase(info, "comm"):
             if t.numel():
-                collective(f"the all-reduce of the shared statistic {key!r}", dist.all_reduce, t, op=_OPS[op],
-                           group=group)
+                t, b = reduce_over_ranks(t, group, op=op, what=f"the all-reduce of the shared statistic {key!r}")
+                sent += b
         reduced[key] = t.to(value.dtype)
 
     max_code = q.max_code  # type: ignore[attr-defined]
@@ -136,8 +140,8 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         total = fields.to(wire) if wide else fields
         with phase(info, "comm"):
             if total.numel():
-                collective("the integer all-reduce of the codes", dist.all_reduce, total, op=dist.ReduceOp.SUM,
-                           group=group)
+                total, b = reduce_over_ranks(total, group, what="the integer all-reduce of the codes")
+                sent += b
         with phase(info, "decode"):
             out = q.decode_field_sum(total, shared=reduced, count=world, like=x)
     else:
@@ -149,13 +153,11 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         total = codes.to(wire).contiguous()
         with phase(info, "comm"):
             if total.numel():
-                collective("the integer all-reduce of the codes", dist.all_reduce, total, op=dist.ReduceOp.SUM,
-                           group=group)
+                total, b = reduce_over_ranks(total, group, what="the integer all-reduce of the codes")
+                sent += b
         with phase(info, "decode"):
             out = q.decode_codes(total, shared=reduced, count=world, like=x,  # type: ignore[attr-defined]
                                  shared_seed=shared_seed)
     if info is not None:
-        info.update(code_dtype=rule, wire_dtype=wire,
-                    bytes_sent=allreduce_bytes_per_worker(total.numel(), world, wire)
-                    + sum(allreduce_bytes_per_worker(t.numel(), world, t.dtype) for t in reduced.values()))
+        info.update(code_dtype=rule, wire_dtype=wire, bytes_sent=sent)
     return out
