@@ -300,29 +300,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.mb <= 0 or args.repeats < 1:
         ap.error("--mb must be positive and --repeats at least 1")
 
-    from gradq.netem import EmulatedNetwork, can_emulate, launch
+    from gradq.netem import launch_on
 
-    net = None
-    if args.network:
-        ok, why = can_emulate()
-        if not ok:
-            print(f"bench_collectives: cannot emulate {args.network}: {why}; nothing measured")
-            return 0
-        net = EmulatedNetwork(args.world, args.network)
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "rank0.json")
         cmd = [sys.executable, HERE, "--worker", "--results", res, "--mb", str(args.mb),
                "--repeats", str(args.repeats), "--bits", args.bits]
         if args.only:
             cmd += ["--only", *args.only]
-        where = f"emulated {args.network} links" if net else "loopback"
+        where = f"emulated {args.network} links" if args.network else "loopback"
         print(f"bench_collectives: {args.world} gloo ranks on {where}, {args.mb:g} MB fp32 gradient, "
               f"{args.repeats} repeats", file=sys.stderr)
-        if net is not None:
-            with net:
-                launch([cmd] * args.world, net=net, timeout=args.timeout)
-        else:
-            launch([cmd] * args.world, timeout=args.timeout)
+        why = launch_on([cmd] * args.world, args.network, timeout=args.timeout)
+        if why is not None:
+            print(f"bench_collectives: cannot emulate {args.network}: {why}; nothing measured")
+            return 0
         with open(res) as f:
             result = json.load(f)
     result["network"] = args.network or "loopback"

@@ -181,25 +181,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.world < 2 or args.repeats < 1:
         ap.error("--world must be at least 2 and --repeats at least 1")
-    from gradq.netem import EmulatedNetwork, can_emulate, launch
+    from gradq.netem import launch_on
 
-    net = None
-    if args.network:
-        ok, why = can_emulate()
-        if not ok:
-            print(f"bench_hook_step: cannot emulate {args.network}: {why}; nothing measured")
-            return 0
-        net = EmulatedNetwork(args.world, args.network)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "rank0.json")
         cmd = [sys.executable, HERE, "--worker", "--results", res, "--model", args.model, "--spec", args.spec,
                "--repeats", str(args.repeats)] + ([] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)])
-        if net is not None:
-            with net:
-                launch([cmd] * args.world, net=net, timeout=args.timeout, threads=threads)
-        else:
-            launch([cmd] * args.world, timeout=args.timeout, threads=threads)
+        why = launch_on([cmd] * args.world, args.network, timeout=args.timeout, threads=threads)
+        if why is not None:
+            print(f"bench_hook_step: cannot emulate {args.network}: {why}; nothing measured")
+            return 0
         with open(res) as f:
             r = json.load(f)
     r["network"] = args.network or "loopback"

@@ -70,19 +70,13 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from gradq.netem import EmulatedNetwork, can_emulate, launch
+    from gradq.netem import launch_on
 
     cmd = [sys.executable, __file__, "--worker", "--spec", args.spec, "--mb", str(args.mb),
            "--repeats", str(args.repeats)] + (["--network", args.network] if args.network else [])
-    if args.network:
-        ok, why = can_emulate()
-        if not ok:
-            print(f"bench_scatter_phases: cannot emulate {args.network}: {why}; nothing measured")
-            return 0
-        with EmulatedNetwork(args.world, args.network) as net:
-            launch([cmd] * args.world, net=net, timeout=600)
-    else:
-        launch([cmd] * args.world, timeout=600)
+    why = launch_on([cmd] * args.world, args.network, timeout=600)
+    if why is not None:
+        print(f"bench_scatter_phases: cannot emulate {args.network}: {why}; nothing measured")
     return 0
 
 

@@ -28,7 +28,8 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["parse_rate", "format_rate", "can_emulate", "EmulatedNetwork", "launch", "free_port", "NetemError"]
+__all__ = ["parse_rate", "format_rate", "can_emulate", "EmulatedNetwork", "launch", "launch_on", "free_port",
+           "NetemError"]
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
@@ -233,3 +234,20 @@ def launch(cmds: Sequence[Sequence[str]], *, net: Optional[EmulatedNetwork] = No
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def launch_on(cmds: Sequence[Sequence[str]], rate: Optional[str] = None, *, timeout: Optional[float] = None,
+              threads: int = 1) -> Optional[str]:
+    """:func:`launch` on loopback (``rate=None``) or, as root, one rank per namespace on emulated links
+    of ``rate`` (set up and torn down around the run). Returns ``None`` once the ranks have finished,
+    or, without running anything, why links cannot be emulated here (the benchmarks then say so and
+    exit 0)."""
+    if not rate:
+        launch(cmds, timeout=timeout, threads=threads)
+        return None
+    ok, why = can_emulate()
+    if not ok:
+        return why
+    with EmulatedNetwork(len(cmds), rate) as net:
+        launch(cmds, net=net, timeout=timeout, threads=threads)
+    return None
