@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .comm import derive_seed
 from .comm.api import average, choose_protocol
+from .comm.allreduce import shared_scale_allreduce_many
 from .comm.scatter import ScatterPipeline
 from .comm._util import check_timeout, collective, sum_over_ranks, time_limit
 from .errors import CommunicationError, NonFiniteError, PayloadError
@@ -565,6 +566,9 @@ class _Step:
                 small = [(n, v) for n, v in q_parts if v.numel() < OWN_CALL_NUMEL]
                 if len(small) < 2:
                     small = []
+            if self.strategy == "allreduce" and not state.measure_error and len(q_parts) > 1:
+                self._summable(q_parts, step_seed)  # one exchange for all statistics, one for all codes
+                q_parts = []
             alone = {n for n, _ in small}
             for n, v in q_parts:
                 if n not in alone:
@@ -628,6 +632,20 @@ class _Step:
             return
         self._flush_pipeline()  # (a scatter call of its own may queue on the lane itself)
         self._collect(*call(), name)
+
+    def _summable(self, parts: list[tuple[str, torch.Tensor]], step_seed: int) -> None:
+        """The group's tensors through one shared-scale all-reduce (each keeps its own scale, seed and
+        error-feedback key; their statistics and codes travel together)."""
+        state = self.state
+        self._flush_pipeline()
+        info: dict[str, Any] = {"cuda_events": []} if self.cuda else {}
+        outs = shared_scale_allreduce_many([v for _, v in parts], state.quantizer, group=state.process_group,
+                                           seeds=[derive_seed(step_seed, None, n) for n, _ in parts],
+                                           names=[n for n, _ in parts], info=info)
+        for (_, v), o in zip(parts, outs):
+            v.copy_(o.view_as(v))
+        self.fig.quantized_coords += sum(v.numel() for _, v in parts)
+        self._collect(info, int(info["bytes_sent"]), 0.0, 0.0, None)
 
     def _protocol_call(self, x: torch.Tensor, protocol: str, name: str,
                        seed: int) -> tuple[dict[str, Any], int, float, float]:

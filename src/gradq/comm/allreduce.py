@@ -32,7 +32,7 @@ bytes); ``info["bytes_sent"]`` counts what was really sent.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ..quantizers.base import Quantizer
 from ._util import check_inputs, phase, reduce_over_ranks
 
-__all__ = ["shared_scale_allreduce", "code_dtype", "reduce_dtype", "allreduce_bytes_per_worker"]
+__all__ = ["shared_scale_allreduce", "shared_scale_allreduce_many", "code_dtype", "reduce_dtype",
+           "allreduce_bytes_per_worker"]
 
 _OPS = ("max", "min", "sum")
 #: dtypes a backend's all_reduce cannot take, and what to send instead
@@ -107,57 +108,99 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
     if q.needs_shared_seed and shared_seed is None:
         shared_seed = derive_seed(seed, None, "shared")
     extra = [] if shared_seed is None else [int(shared_seed) & ((1 << 63) - 1)]
-    rank, world = check_inputs("shared_scale_allreduce", x, q, group, extra, verify=verify)
+    check_inputs("shared_scale_allreduce", x, q, group, extra, verify=verify)
+    return shared_scale_allreduce_many([x], q, group=group, seeds=[seed], shared_seeds=[shared_seed], names=[name],
+                                       info=info)[0]
+
+
+def _merged_reduce(items: list[tuple[Any, torch.Tensor]], group: Any, op: str, what: str) -> tuple[dict, int]:
+    """Reduce several small tensors of one dtype with one exchange: concatenated, reduced, split back."""
+    flat = torch.cat([t.reshape(-1) for _, t in items])
+    if not flat.numel():
+        return {k: t for k, t in items}, 0
+    total, sent = reduce_over_ranks(flat, group, op=op, what=what)
+    parts = torch.split(total, [t.numel() for _, t in items])
+    return {k: part.view_as(t) for (k, t), part in zip(items, parts)}, sent
+
+
+def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, group: Any = None,
+                                seeds: Sequence[int], shared_seeds: Optional[Sequence[Optional[int]]] = None,
+                                names: Optional[Sequence[Optional[str]]] = None,
+                                info: Optional[dict] = None) -> list[torch.Tensor]:
+    """:func:`shared_scale_allreduce` of several tensors at once, each quantized on its own (layer-wise
+    schemes keep one scale per tensor) with its own seed, name and shared seed, but with ONE exchange
+    per reduction op for all their shared statistics and ONE per wire dtype for all their codes —
+    the same values as separate calls (integer sums, MAX and MIN do not depend on the order), for
+    far fewer collectives when the tensors are small. No cross-rank check (callers check once)."""
+    from . import derive_seed
+
+    n = len(xs)
+    names = list(names) if names is not None else [None] * n
+    shared_seeds = list(shared_seeds) if shared_seeds is not None else [None] * n
+    shared_seeds = [derive_seed(sd, None, "shared") if q.needs_shared_seed and ss is None else ss
+                    for sd, ss in zip(seeds, shared_seeds)]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     backend = dist.get_backend(group)
-
-    with phase(info, "encode"):
-        stats = q.shared_stats(x, shared_seed=shared_seed, name=name)
-    reduced: dict[str, torch.Tensor] = {}
     sent = 0
-    for key in sorted(stats):
-        value, op = stats[key]
-        if op not in _OPS:
-            raise ValueError(f"{q.spec}: shared stat {key!r} has unknown reduction {op!r}")
-        wire = reduce_dtype(value.dtype, backend)
-        t = value.detach().to(wire).contiguous().clone()
-        with phase(info, "comm"):
-            if t.numel():
-                t, b = reduce_over_ranks(t, group, op=op, what=f"the all-reduce of the shared statistic {key!r}")
-                sent += b
-        reduced[key] = t.to(value.dtype)
 
-    max_code = q.max_code  # type: ignore[attr-defined]
-    seed_r = derive_seed(seed, rank, "encode")
-    fields = None
+    # 1. every tensor's shared statistics, one exchange per (reduction, wire dtype)
     with phase(info, "encode"):
-        if max_code is not None and hasattr(q, "encode_fields"):
-            fields = q.encode_fields(x, shared=reduced, seed=seed_r, shared_seed=shared_seed, name=name)
-    if fields is not None:
-        # fast path: one byte c + s per coordinate from the fused kernel; Σ_m fields fits uint8 when 2Ms ≤ 255
-        rule = code_dtype(world, int(max_code))
-        wide = 2 * world * int(max_code) > 255
-        wire = reduce_dtype(code_dtype(world, 2 * int(max_code)), backend) if wide else torch.uint8
-        total = fields.to(wire) if wide else fields
-        with phase(info, "comm"):
-            if total.numel():
-                total, b = reduce_over_ranks(total, group, what="the integer all-reduce of the codes")
-                sent += b
-        with phase(info, "decode"):
-            out = q.decode_field_sum(total, shared=reduced, count=world, like=x)
-    else:
+        stats = [q.shared_stats(x, shared_seed=ss, name=nm) for x, ss, nm in zip(xs, shared_seeds, names)]
+    batches: dict[tuple[str, torch.dtype], list[tuple[tuple[int, str], torch.Tensor]]] = {}
+    for i, st in enumerate(stats):
+        for key in sorted(st):
+            value, op = st[key]
+            if op not in _OPS:
+                raise ValueError(f"{q.spec}: shared stat {key!r} has unknown reduction {op!r}")
+            wire = reduce_dtype(value.dtype, backend)
+            batches.setdefault((op, wire), []).append(((i, key), value.detach().to(wire).contiguous()))
+    reduced_all: dict[tuple[int, str], torch.Tensor] = {}
+    with phase(info, "comm"):
+        for (op, wire) in sorted(batches, key=lambda k: (k[0], str(k[1]))):
+            got, b = _merged_reduce(batches[(op, wire)], group, op, "the all-reduce of the shared statistics")
+            reduced_all.update(got)
+            sent += b
+    reduced = [{key: reduced_all[(i, key)].to(stats[i][key][0].dtype) for key in stats[i]} for i in range(n)]
+
+    # 2. every tensor's codes, one exchange per wire dtype
+    max_code = q.max_code  # type: ignore[attr-defined]
+    totals: list[tuple[torch.Tensor, bool]] = []
+    rule = wire = None
+    for i, x in enumerate(xs):
+        seed_r = derive_seed(seeds[i], rank, "encode")
+        fields = None
         with phase(info, "encode"):
-            codes = q.encode_codes(x, shared=reduced, seed=seed_r,  # type: ignore[attr-defined]
-                                   shared_seed=shared_seed, name=name)
-        rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
-        wire = reduce_dtype(rule, backend)
-        total = codes.to(wire).contiguous()
-        with phase(info, "comm"):
-            if total.numel():
-                total, b = reduce_over_ranks(total, group, what="the integer all-reduce of the codes")
-                sent += b
-        with phase(info, "decode"):
-            out = q.decode_codes(total, shared=reduced, count=world, like=x,  # type: ignore[attr-defined]
-                                 shared_seed=shared_seed)
+            if max_code is not None and hasattr(q, "encode_fields"):
+                fields = q.encode_fields(x, shared=reduced[i], seed=seed_r, shared_seed=shared_seeds[i], name=names[i])
+            if fields is not None:
+                # fast path: one byte c + s per coordinate; Σ_m fields fits uint8 when 2Ms ≤ 255
+                rule = code_dtype(world, int(max_code))
+                wide = 2 * world * int(max_code) > 255
+                wire = reduce_dtype(code_dtype(world, 2 * int(max_code)), backend) if wide else torch.uint8
+                totals.append((fields.to(wire) if wide else fields, True))
+            else:
+                codes = q.encode_codes(x, shared=reduced[i], seed=seed_r,  # type: ignore[attr-defined]
+                                       shared_seed=shared_seeds[i], name=names[i])
+                rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
+                wire = reduce_dtype(rule, backend)
+                totals.append((codes.to(wire).contiguous(), False))
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for i, (t, _) in enumerate(totals):
+        by_dtype.setdefault(t.dtype, []).append((i, t))
+    summed: dict[int, torch.Tensor] = {}
+    with phase(info, "comm"):
+        for dt in sorted(by_dtype, key=str):
+            got, b = _merged_reduce(by_dtype[dt], group, "sum", "the integer all-reduce of the codes")
+            summed.update(got)
+            sent += b
+    outs = []
+    with phase(info, "decode"):
+        for i, x in enumerate(xs):
+            if totals[i][1]:
+                outs.append(q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x))
+            else:
+                outs.append(q.decode_codes(summed[i], shared=reduced[i], count=world, like=x,  # type: ignore[attr-defined]
+                                           shared_seed=shared_seeds[i]))
     if info is not None:
         info.update(code_dtype=rule, wire_dtype=wire, bytes_sent=sent)
-    return out
+    return outs
