@@ -80,6 +80,13 @@ def _child(rank: int, world: int, tmp: str) -> None:
     for n in (10, SMALL_SUM_BYTES // world + 5):
         mine = torch.full((n + rank,), rank + 1, dtype=torch.uint8)
         res[f"gather_bytes|{n}"] = [b.clone() for b in all_gather_bytes(mine, None, None)]
+    from gradq.comm.allreduce import shared_scale_allreduce_many
+    for spec in ("terngrad", "maxnorm:bits=2", "multiscale"):  # several tensors in one exchange per kind
+        q = gradq.build(spec)
+        xs = [grad(rank, 300), grad(rank, 1001), grad(rank, 5)]
+        res[f"many|{spec}"] = (shared_scale_allreduce_many(xs, q, seeds=[1, 2, 3], names=["a", "b", "c"]),
+                               [shared_scale_allreduce(x, q, seed=sd, name=nm, verify=False)
+                                for x, sd, nm in zip(xs, [1, 2, 3], ["a", "b", "c"])])
     ts = [grad(rank, 300), grad(rank, 77).reshape(7, 11)]
     for spec in API_SPECS:  # the hook-free entry point against the protocol it picks
         copies = [t.clone() for t in ts]
@@ -209,10 +216,18 @@ def test_sum_over_ranks_and_byte_gather(run):
             assert all(bool((b == m + 1).all()) for m, b in enumerate(blocks))
 
 
+def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
+    world, outs = run
+    for spec in ("terngrad", "maxnorm:bits=2", "multiscale"):
+        for r in range(world):
+            together, apart = outs[r][f"many|{spec}"]
+            assert all(torch.equal(a, b) for a, b in zip(together, apart)), (spec, r)
+
+
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes")) or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|")) or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):
