@@ -23,8 +23,9 @@ import gradq
 from gradq.ddp import GradqState, gradq_hook
 
 SPECS = ["qsgd:bits=4", "terngrad", "maxnorm:bits=2", "topk:ratio=0.1,ef=1", "multiscale"]
-EXPECT_AUTO = {"qsgd:bits=4": "scatter", "terngrad": "allreduce", "maxnorm:bits=2": "allreduce",
-               "topk:ratio=0.1,ef=1": "scatter", "multiscale": "allreduce"}
+# (2 ranks: the hook all-gathers what choose_protocol would scatter — the same bytes, one exchange)
+EXPECT_AUTO = {"qsgd:bits=4": "allgather", "terngrad": "allreduce", "maxnorm:bits=2": "allreduce",
+               "topk:ratio=0.1,ef=1": "allgather", "multiscale": "allreduce"}
 KW = {"min_numel": 1000}
 QUANTIZED = 4096 + 8192
 

@@ -24,9 +24,8 @@ zero gradient would still move the parameters through the momentum buffer). The 
 (labels from a fixed random linear teacher) so that the loss on a fixed evaluation batch shows whether
 training resumes after the storm.
 
-Two quantizer families run: ``qsgd:bits=4`` (scatter protocol; all quantized tensors of a step batched
-into one call at the last bucket) and ``terngrad`` (integer all-reduce, one call per tensor as the
-buckets arrive).
+Two quantizer families run: ``qsgd:bits=4`` (with 2 ranks the hook's pipelined all-gather; scatter
+with more) and ``terngrad`` (integer all-reduce, one shared exchange per group).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import gradq_testing
 from gradq.ddp import GradqState, gradq_hook
 from test_ddp import KW, all_equal, ddp, params
 
-SPECS = {"qsgd:bits=4": "scatter", "terngrad": "allreduce"}  # spec -> protocol "auto" must pick
+SPECS = {"qsgd:bits=4": {2: "allgather", 4: "scatter"}, "terngrad": {2: "allreduce", 4: "allreduce"}}  # auto's pick
 FIRST, LAST = "2.weight", "0.weight"  # in the first and in the last bucket (checked)
 PLACEMENTS = ((LAST, FIRST), (FIRST, LAST))  # (NaN parameter, +Inf parameter)
 RUNS = [(spec, nan, inf) for spec in SPECS for nan, inf in PLACEMENTS]
@@ -179,7 +178,7 @@ def test_bucket_layout_covers_both_cases(outs):
 def test_every_rank_skips_exactly_the_storm(outs):
     want = set(STORM)
     for run_id, rank, r in each(outs):
-        assert r["strategy"] == SPECS[run_id[0]], (run_id, rank, r["strategy"])
+        assert r["strategy"] == SPECS[run_id[0]][len(outs)], (run_id, rank, r["strategy"])
         got = {s for s, k in enumerate(r["skipped"]) if k}
         assert got == want, (run_id, rank, "differ on steps", sorted(got ^ want))
         assert r["final_skipped_steps"] == len(STORM) == 20, (run_id, rank, r["final_skipped_steps"])

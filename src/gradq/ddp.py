@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .comm import derive_seed
 from .comm.api import average, choose_protocol
+from .comm.allgather import AllgatherPipeline
 from .comm.allreduce import shared_scale_allreduce_many
 from .comm.scatter import ScatterPipeline
 from .comm._util import check_timeout, collective, sum_over_ranks, time_limit
@@ -122,17 +123,17 @@ class GradqState:
             gloo). When a rank dies, the others fail at once (its connections close); when it stalls,
             they fail after ``timeout``: every rank raises :class:`gradq.CommunicationError` naming the
             step and the collective it was waiting for. The group's own limit is restored after each
-            bucket, so the caller's other collectives (evaluation barriers…) keep theirs.
+            job, so the caller's other collectives (evaluation barriers…) keep theirs.
         checksum: payloads of the scatter, all-gather and parameter-server protocols carry a CRC-32
             trailer (4 bytes each, CPU tensors). The ranks agree on damaged payloads in the step's last
-            float32 all-reduce (one more value, no extra collective) and refuse the step alike:
+            collective (one more value beside the float32 tensors) and refuse the step alike:
             :class:`gradq.PayloadError` on every rank, or with ``nan_policy="skip"`` a skipped step
             (zero gradients, ``skipped_steps`` counts it). The integer all-reduce moves no payload and
             has no checksum. Equal on every rank.
-        group_mb: parameters are averaged in groups of at most this many MiB of float32 gradient (the
-            first at most 1 MiB), cut in reverse model order like DDP's buckets; a group's communication
-            starts as soon as its last gradient is computed. :func:`register` takes DDP's own bucket
-            size. Equal on every rank and in a resumed run (it fixes the summation layout).
+        group_mb: parameters are averaged in groups of about this many MiB of float32 gradient (a group
+            closes once it holds that much), cut in reverse model order like DDP's buckets; a group's
+            communication starts as soon as its last gradient is computed. :func:`register` takes
+            DDP's own bucket size. Equal on every rank and in a resumed run (it fixes the layout).
 
     Attributes: ``step`` (completed hook steps), ``skipped_steps``, ``last_stats`` (dict of the last step:
     ``bytes_sent`` per worker, ``coords``, ``quantized_coords``, ``bits_per_coord``, ``seconds`` from the
@@ -335,9 +336,14 @@ class GradqState:
 
     # -- strategy ----------------------------------------------------------------------------------
     def _resolve_strategy(self, world: int) -> str:
+        """``strategy``, or under ``"auto"`` :func:`gradq.comm.choose_protocol`'s choice — except that
+        with 2 ranks the hook all-gathers what that rule would scatter: the same bytes (``(M−1)·B``
+        both), a third less encoding, one exchange instead of two and no re-quantization of the
+        average, pipelined across the step's tensors (measured: ``docs/performance.md``)."""
         if self.strategy != "auto":
             return self.strategy
-        return choose_protocol(self.quantizer, world)
+        chosen = choose_protocol(self.quantizer, world)
+        return "allgather" if chosen == "scatter" and world == 2 else chosen
 
     def _keeps_fp32(self, name: str, p: torch.Tensor) -> bool:
         return (self.step < self.warmup_steps or p.numel() < self.min_numel or name in self.uncompressed
@@ -429,7 +435,7 @@ class _Step:
         self.launched: list[int] = []
         self.fp32: list[tuple[str, torch.Tensor]] = []  # the float32-policy tensors, averaged at the end
         self.t_close: Optional[float] = None  # when the last bucket arrived (the backward pass ended)
-        self.pipe: Optional[ScatterPipeline] = None  # the step's scatter calls, pipelined across groups
+        self.pipe: Any = None  # the step's protocol calls, pipelined across groups (scatter or all-gather)
         self.pipe_info: dict[str, Any] = {}
         self.side: list[tuple[str, Any]] = []  # protocol calls queued on the comm lane behind the pipeline's exchanges
         self.jobs: list[Any] = []
@@ -616,9 +622,12 @@ class _Step:
         state, fig = self.state, self.fig
         protocol = self._protocol_for(x.numel())
         fig.quantized_coords += x.numel()
-        if protocol == "scatter" and not state.measure_error and x.dtype == torch.float32 and x.is_contiguous():
+        # scatter calls always; all-gathers with 2 ranks (the protocol auto picks there; with more ranks
+        # only small payloads are all-gathered, and those go behind the pipeline as calls of their own)
+        pipe_kind = protocol if protocol == "scatter" or (protocol == "allgather" and self.world == 2) else None
+        if pipe_kind and not state.measure_error and x.dtype == torch.float32 and x.is_contiguous():
             # into the step's pipeline: this group's exchanges overlap the next group's encoding
-            self._pipeline().add(x.view(-1), x.view(-1), seed=seed, name=name)
+            self._pipeline(pipe_kind).add(x.view(-1), x.view(-1), seed=seed, name=name)
             return
 
         def call() -> tuple[dict[str, Any], int, float, float]:
@@ -674,12 +683,14 @@ class _Step:
         fig.err2 += err2
         fig.ref2 += ref2
 
-    def _pipeline(self) -> ScatterPipeline:
-        """The step's scatter pipeline (created at its first scatter call)."""
+    def _pipeline(self, kind: str) -> Any:
+        """The step's pipeline of protocol calls (created at its first call; one kind per step: the
+        scatter protocol, or with 2 ranks the all-gather)."""
         if self.pipe is None:
             self.pipe_info = {"cuda_events": self.fig.events} if self.cuda else {}
-            self.pipe = ScatterPipeline(self.state.quantizer, group=self.state.process_group,
-                                        checksum=self.state.checksum, info=self.pipe_info, device=self.device)
+            cls = ScatterPipeline if kind == "scatter" else AllgatherPipeline
+            self.pipe = cls(self.state.quantizer, group=self.state.process_group, checksum=self.state.checksum,
+                            info=self.pipe_info, device=self.device)
         return self.pipe
 
     def _flush_pipeline(self) -> None:
