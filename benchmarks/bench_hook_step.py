@@ -5,8 +5,9 @@ rank on emulated links, ``gradq.netem``), on a model (``--model``), each rank me
 ``--repeats`` steps after warm-up (every time is the MAX over ranks, gathered after the timing):
 
 * ``compute``   the local forward + backward pass, no DDP, no communication;
-* ``protocol``  the raw protocol call the hook makes (``gradq.comm.average``) on the same gradient,
-                flattened into one tensor (what a sequential "compute, then communicate" step costs);
+* ``protocol``  the raw call of the protocol the hook uses (``gradq.comm.average``; ``--protocol`` for
+                another) on the same gradient, flattened into one tensor (what a sequential
+                "compute, then communicate" step costs);
 * ``allreduce`` gloo's float32 ``all_reduce`` of that flat gradient;
 * ``step ddp``  a DDP step (forward + backward) with DDP's own float32 averaging;
 * ``step hook`` a DDP step with ``gradq.register(ddp, SPEC)``.
@@ -81,20 +82,22 @@ def worker(args: argparse.Namespace) -> None:
 
 def _measure(args: argparse.Namespace) -> None:
     import gradq
-    from gradq.comm.api import average, choose_protocol
+    from gradq.comm.api import average
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = torch.nn.functional.cross_entropy
     model, x, y = _model(args.model)
     q = gradq.build(args.spec)
-    protocol = choose_protocol(q, world)
     cap = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
     base, _, _ = _model(args.model)
     ddp_base = DDP(base, **cap)
     hooked, _, _ = _model(args.model)
     ddp = DDP(hooked, **cap)
     state = gradq.register(ddp, args.spec)
+    # the raw call of the protocol the hook uses (with 2 ranks it all-gathers what choose_protocol
+    # would scatter), or the one asked for
+    protocol = args.protocol or state._resolve_strategy(world)
     seed = [0]
     stats: list[dict[str, Any]] = []
 
@@ -169,6 +172,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--spec", default="qsgd:bits=4,bucket=512", help="gradq spec (default 4-bit QSGD)")
     ap.add_argument("--repeats", type=int, default=20, help="timed steps per case (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="threads per rank (default cores / world)")
+    ap.add_argument("--protocol", default=None, choices=["scatter", "allgather", "allreduce", "ps"],
+                    help="the raw protocol timed against the hook (default: the one the hook uses)")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="DDP's bucket_cap_mb for both DDP steps (default DDP's 25; smaller buckets overlap more)")
     ap.add_argument("--json", default=None, help="also write the figures here")
@@ -187,7 +192,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "rank0.json")
         cmd = [sys.executable, HERE, "--worker", "--results", res, "--model", args.model, "--spec", args.spec,
-               "--repeats", str(args.repeats)] + ([] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)])
+               "--repeats", str(args.repeats)] + ([] if args.bucket_mb is None else ["--bucket-mb", str(args.bucket_mb)]) \
+            + ([] if args.protocol is None else ["--protocol", args.protocol])
         why = launch_on([cmd] * args.world, args.network, timeout=args.timeout, threads=threads)
         if why is not None:
             print(f"bench_hook_step: cannot emulate {args.network}: {why}; nothing measured")
