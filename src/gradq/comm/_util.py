@@ -98,6 +98,9 @@ def time_limit(group: Any, seconds: Optional[float]) -> Iterator[None]:
 
 #: largest vector (bytes, times the world size) that :func:`sum_over_ranks` sums by one all-to-all
 SMALL_SUM_BYTES = 1 << 20
+#: most bytes per rank the all-to-all may send beyond what a ring all-reduce would (a compression
+#: library does not trade many bytes for a round trip: the codes of a larger tensor take the ring)
+SMALL_EXTRA_BYTES = 16 * 1024
 
 
 _LOCAL_OPS = {"sum": None, "max": torch.maximum, "min": torch.minimum}
@@ -114,7 +117,10 @@ def reduce_over_ranks(x: torch.Tensor, group: Any = None, *, op: str = "sum",
     nbytes = x.numel() * x.element_size()
     if world == 1:
         return x, 0
-    if world * nbytes <= SMALL_SUM_BYTES:
+    # the all-to-all sends (M−1)·n bytes where a ring sends 2(M−1)/M·n: take it only while the extra
+    # bytes, (M−1)(M−2)/M·n, stay below SMALL_EXTRA_BYTES (always with 2 ranks, where they are equal)
+    extra = (world - 1) * (world - 2) * nbytes // world
+    if world * nbytes <= SMALL_SUM_BYTES and extra <= SMALL_EXTRA_BYTES:
         send = x.reshape(-1).repeat(world)
         recv = torch.empty_like(send)
         collective(f"{what} of {x.numel()} values (all-to-all)", dist.all_to_all_single, recv, send, group=group)
@@ -136,7 +142,8 @@ def sum_over_ranks(x: torch.Tensor, group: Any = None, *, what: str = "the all-r
     """The sum of the 1-D tensor ``x`` over the group's ranks, identical on every rank; returns
     ``(sum, bytes this rank sent)``. ``x`` may be overwritten.
 
-    A small vector (``world · nbytes ≤`` :data:`SMALL_SUM_BYTES`) goes through ONE all-to-all: every
+    A small vector (``world · nbytes ≤`` :data:`SMALL_SUM_BYTES`, and at most :data:`SMALL_EXTRA_BYTES`
+    more sent than by a ring) goes through ONE all-to-all: every
     rank sends its whole vector to every other and adds the ``M`` copies in rank order 0..M−1. A ring
     all-reduce takes ``2(M−1)`` dependent steps, each a wake-up of every rank — most of its time for a
     few kilobytes (measured, 4 gloo ranks on 2 cores: 5.4 ms against 2.5 ms for the all-to-all) — and

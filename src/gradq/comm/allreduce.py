@@ -24,8 +24,9 @@ So on gloo and NCCL an int16 choice is sent as int32 (:func:`reduce_dtype`); the
 :func:`code_dtype` still reports int16.
 
 Traffic per worker (ring all-reduce of ``n`` codes of ``b`` bytes): ``2(M−1)/M · n·b`` bytes, plus the
-same formula for the (small) shared stats. A vector of at most ``SMALL_SUM_BYTES / M`` bytes (the
-stats, the codes of a small tensor) goes through one all-to-all instead and is combined locally
+same formula for the (small) shared stats. A small vector (the stats, the codes of a small tensor:
+at most ``SMALL_SUM_BYTES / M`` bytes, and at most ``SMALL_EXTRA_BYTES`` more sent than by the ring)
+goes through one all-to-all instead and is combined locally
 (:func:`gradq.comm._util.reduce_over_ranks`: one round instead of ``2(M−1)``, for ``(M−1)·n·b``
 bytes); ``info["bytes_sent"]`` counts what was really sent.
 """
