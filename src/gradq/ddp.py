@@ -572,7 +572,7 @@ class _Step:
                 small = [(n, v) for n, v in q_parts if v.numel() < OWN_CALL_NUMEL]
                 if len(small) < 2:
                     small = []
-            if self.strategy == "allreduce" and not state.measure_error and len(q_parts) > 1:
+            if self.strategy == "allreduce" and len(q_parts) > 1:
                 self._summable(q_parts, step_seed)  # one exchange for all statistics, one for all codes
                 q_parts = []
             alone = {n for n, _ in small}
@@ -648,13 +648,23 @@ class _Step:
         state = self.state
         self._flush_pipeline()
         info: dict[str, Any] = {"cuda_events": []} if self.cuda else {}
+        exact = None
+        if state.measure_error:  # the exact average of all of them, for the error report (one float32 sum)
+            exact, _ = sum_over_ranks(torch.cat([v.detach().reshape(-1) for _, v in parts]).float(),
+                                      state.process_group, what="the exact all-reduce for the error measurement")
+            exact.div_(self.world)
         outs = shared_scale_allreduce_many([v for _, v in parts], state.quantizer, group=state.process_group,
                                            seeds=[derive_seed(step_seed, None, n) for n, _ in parts],
                                            names=[n for n, _ in parts], info=info)
         for (_, v), o in zip(parts, outs):
             v.copy_(o.view_as(v))
         self.fig.quantized_coords += sum(v.numel() for _, v in parts)
-        self._collect(info, int(info["bytes_sent"]), 0.0, 0.0, None)
+        err2 = ref2 = 0.0
+        if exact is not None:  # (a host read: only when the user asked for the error)
+            got = torch.cat([v.detach().reshape(-1) for _, v in parts]).double()
+            err2 = float((got - exact.double()).square().sum())
+            ref2 = float(exact.double().square().sum())
+        self._collect(info, int(info["bytes_sent"]), err2, ref2, None)
 
     def _protocol_call(self, x: torch.Tensor, protocol: str, name: str,
                        seed: int) -> tuple[dict[str, Any], int, float, float]:
