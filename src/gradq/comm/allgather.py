@@ -60,18 +60,7 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
     with phase(info, "comm"):
         bufs = all_gather_bytes(buf, None if fixed is None else fixed + trailer, group)
     with phase(info, "decode"):
-        bodies = []
-        for m, sealed in enumerate(bufs):
-            body, ok = unseal(sealed, trailer)
-            if not ok:
-                note_damage(info, f"payload from rank {m}")
-            bodies.append(body if ok else None)
-        if x.dtype == torch.float32 and all(b is not None for b in bodies):
-            # one fused pass where the scheme has a kernel (bit-identical to decoding each and adding)
-            out = q.decode_mean([q.payload_from_bytes(b, x.shape, x.dtype, copy=False) for b in bodies])
-        else:
-            parts = [decode_bytes(q, b, x.shape, x.dtype) if b is not None else x.new_zeros(x.shape) for b in bodies]
-            out = mean_in_order(parts).reshape(x.shape).to(x.dtype)
+        out = _mean_of_payloads(q, bufs, trailer, x, info, name=None)
     info.update(payload_nbytes=int(buf.numel()),
                 bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
     raise_if_damaged("allgather_mean", info, defer_damage)
@@ -147,18 +136,23 @@ class AllgatherPipeline:
     def _finish(self, st: dict[str, Any], fut: Any) -> None:
         with phase(self.info, "comm"):
             bufs = fut.result()
-        q, out, trailer = self.q, st["out"], st["trailer"]
         with phase(self.info, "decode"):
-            bodies = []
-            for m, sealed in enumerate(bufs):
-                body, ok = unseal(sealed, trailer)
-                if not ok:
-                    note_damage(self.info, (f"{st['name']}: " if st["name"] else "") + f"payload from rank {m}")
-                bodies.append(body if ok else None)
-            shape = (st["n"],)
-            if all(b is not None for b in bodies):
-                q.decode_mean([q.payload_from_bytes(b, shape, torch.float32, copy=False) for b in bodies], out=out)
-            else:  # a damaged payload counts as zeros (the step will be refused)
-                parts = [decode_bytes(q, b, shape, torch.float32) if b is not None else out.new_zeros(shape)
-                         for b in bodies]
-                out.copy_(mean_in_order(parts))
+            _mean_of_payloads(self.q, bufs, st["trailer"], st["out"], self.info, name=st["name"], out=st["out"])
+
+
+def _mean_of_payloads(q: Quantizer, bufs: list[torch.Tensor], trailer: int, like: torch.Tensor, info: dict,
+                      *, name: Optional[str], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The average, in rank order, of the decodes of every rank's sealed payload (shape and dtype of
+    ``like``): one fused pass where the scheme has a kernel (bit-identical to decoding each and adding);
+    a payload whose checksum fails is noted in ``info`` and counts as zeros (the step will be refused)."""
+    bodies = []
+    for m, sealed in enumerate(bufs):
+        body, ok = unseal(sealed, trailer)
+        if not ok:
+            note_damage(info, (f"{name}: " if name else "") + f"payload from rank {m}")
+        bodies.append(body if ok else None)
+    if like.dtype == torch.float32 and all(b is not None for b in bodies):
+        return q.decode_mean([q.payload_from_bytes(b, like.shape, like.dtype, copy=False) for b in bodies], out=out)
+    parts = [decode_bytes(q, b, like.shape, like.dtype) if b is not None else like.new_zeros(like.shape) for b in bodies]
+    mean = mean_in_order(parts).reshape(like.shape).to(like.dtype)
+    return mean if out is None else out.copy_(mean)
