@@ -65,6 +65,7 @@ a ring all-reduce), and, once, the settings check. ``state.last_stats`` reports 
 import logging
 import time
 import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -444,6 +445,10 @@ class _Step:
         self.local_bad: Any = 0                        # non-finite groups here (an int, or a CUDA tensor)
         self.agreed: Any = None                        # (non-finite, damaged) summed over ranks
         self.stream = state._side_stream(bucket_device) if self.cuda else None
+        # the step's time limit holds from its first bucket to its end: the pipeline's exchanges run on
+        # the comm lane between jobs, and every one of them must fail within it when a peer stalls
+        self._limit = ExitStack()
+        self._limit.enter_context(time_limit(state.process_group, state.timeout))
         if state._groups is not None:
             self.missing = {g.index: len(g.names) for g in state._groups}
 
@@ -485,6 +490,10 @@ class _Step:
         self.bucket_groups[b] = {owner[n] for n in names} | {-1}  # -1: the step's last job (float32, agreement)
         if not self.bucket_groups[b]:
             self._complete(b)
+
+    def release(self) -> None:
+        """Give the process group its own time limit back (idempotent)."""
+        self._limit.close()
 
     def close(self) -> None:
         """At the last bucket: run the remaining groups (the first step: all of them) and wait. The
@@ -533,11 +542,10 @@ class _Step:
         the last to finish — also after an error, so that DDP never waits for a future forever."""
         try:
             if self.error is None:
-                with time_limit(self.state.process_group, self.state.timeout):
-                    if group is None:
-                        self._agree()
-                    else:
-                        self._average(group, agree)
+                if group is None:
+                    self._agree()
+                else:
+                    self._average(group, agree)
         except BaseException as exc:  # raised by the hook once the step's jobs are done
             if self.error is None:
                 self.error = exc
@@ -814,7 +822,7 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
     try:
         return _hook(state, bucket)
     except CommunicationError as exc:
-        state._step_work = None
+        _drop_step(state)
         if exc.step is not None:
             raise
         err = exc.within(f"gradq_hook: step {state.step} (bucket {bucket.index()})", step=state.step)
@@ -822,8 +830,15 @@ def gradq_hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Futu
                     "fail the same way).",)
         raise err from exc
     except BaseException:
-        state._step_work = None
+        _drop_step(state)
         raise
+
+
+def _drop_step(state: GradqState) -> None:
+    """Forget a step that failed inside the hook, restoring the group's time limit."""
+    work, state._step_work = state._step_work, None
+    if work is not None:
+        work.release()
 
 
 def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -832,6 +847,7 @@ def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[to
         with time_limit(state.process_group, state.timeout):
             state._check_consistency(buf.device)
     if bucket.index() == 0 or state._step_work is None:
+        _drop_step(state)  # (none is left over normally: the last bucket ends every step)
         rank, world = dist.get_rank(state.process_group), dist.get_world_size(state.process_group)
         strategy = state._resolve_strategy(world)
         if state.strategy_used is None:
@@ -843,7 +859,10 @@ def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[to
     fut = work.add_bucket(bucket)
     if bucket.is_last():
         state._step_work = None
-        work.close()
+        try:
+            work.close()
+        finally:
+            work.release()
     return fut
 
 
