@@ -10,13 +10,17 @@ rank on emulated links, ``gradq.netem``), on a model (``--model``), each rank me
                 "compute, then communicate" step costs);
 * ``allreduce`` gloo's float32 ``all_reduce`` of that flat gradient;
 * ``step ddp``  a DDP step (forward + backward) with DDP's own float32 averaging;
-* ``step hook`` a DDP step with ``gradq.register(ddp, SPEC)``.
+* ``step hook`` a DDP step with ``gradq.register(ddp, SPEC)``;
+* ``step idle`` a DDP step whose hook leaves the bucket as it is (DDP's own machinery, no
+                communication): ``step hook − step idle`` is what the hook costs the step, to set
+                against ``protocol``.
 
 The cases are interleaved (one of each per repeat, each after a barrier), so that a drift of the
 machine or of the emulated link affects all of them alike.
 
 It prints ``step hook / (compute + protocol)`` (below 1: the hook hides communication behind the
-backward pass), the speed-ups of the hook's step and of the protocol over their float32 counterparts,
+backward pass) beside DDP's own ``step ddp / (compute + allreduce)`` (what DDP's machinery adds to a
+bare all-reduce), the speed-ups of the hook's step and of the protocol over their float32 counterparts,
 and the communication each step adds to ``compute`` (``step − compute``): the hook's against DDP's.
 
     python benchmarks/bench_hook_step.py [--network 1gbit] [--world 2] [--model deep|wide|demo]
@@ -95,6 +99,15 @@ def _measure(args: argparse.Namespace) -> None:
     hooked, _, _ = _model(args.model)
     ddp = DDP(hooked, **cap)
     state = gradq.register(ddp, args.spec)
+    idle, _, _ = _model(args.model)
+    ddp_idle = DDP(idle, **cap)  # DDP's machinery alone: a hook that leaves the bucket as it is
+
+    def no_comm(_, bucket):  # (unannotated: DDP checks real annotations, and this module's are strings)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp_idle.register_comm_hook(None, no_comm)
     # the raw call of the protocol the hook uses (with 2 ranks it all-gathers what choose_protocol
     # would scatter), or the one asked for
     protocol = args.protocol or state._resolve_strategy(world)
@@ -121,7 +134,7 @@ def _measure(args: argparse.Namespace) -> None:
         return run
 
     cases = {"compute_s": local_step, "protocol_s": proto, "allreduce_s": lambda: dist.all_reduce(flat.clone()),
-             "step_ddp_s": step(ddp_base), "step_hook_s": step(ddp)}
+             "step_ddp_s": step(ddp_base), "step_hook_s": step(ddp), "step_idle_s": step(ddp_idle)}
     for fn in cases.values():  # warm-up (the hook's first step also learns its groups)
         for _ in range(3):
             fn()
@@ -150,10 +163,18 @@ def table(r: dict[str, Any], title: str) -> str:
     comm_hook = max(r["step_hook_s"] - r["compute_s"], 0.0)
     comm_ddp = max(r["step_ddp_s"] - r["compute_s"], 0.0)
     lines = [f"### {title}", "",
-             "| compute | protocol | fp32 all_reduce | step, DDP fp32 | step, gradq hook |", "|---:|---:|---:|---:|---:|",
-             f"| {ms('compute_s')} | {ms('protocol_s')} | {ms('allreduce_s')} | {ms('step_ddp_s')} | {ms('step_hook_s')} |",
+             "| compute | protocol | fp32 all_reduce | step, DDP no communication | step, DDP fp32 | step, gradq hook |",
+             "|---:|---:|---:|---:|---:|---:|",
+             f"| {ms('compute_s')} | {ms('protocol_s')} | {ms('allreduce_s')} | {ms('step_idle_s')} | {ms('step_ddp_s')} "
+             f"| {ms('step_hook_s')} |",
              "", "(median ms, max over ranks)", "",
-             f"- hook step / (compute + protocol) = {r['step_hook_s']:.4f} / {seq:.4f} = **{r['step_hook_s'] / seq:.2f}**",
+             f"- hook step / (compute + protocol) = {r['step_hook_s']:.4f} / {seq:.4f} = **{r['step_hook_s'] / seq:.2f}**"
+             f" (DDP's own, step / (compute + fp32 all_reduce): "
+             f"{r['step_ddp_s'] / (r['compute_s'] + r['allreduce_s']):.2f})",
+             f"- hook step − DDP step without communication = {1e3 * (r['step_hook_s'] - r['step_idle_s']):.1f} ms "
+             f"against the protocol's {ms('protocol_s')} ms: "
+             f"**{(r['step_hook_s'] - r['step_idle_s']) / r['protocol_s']:.2f}×** (DDP's own against the fp32 "
+             f"all_reduce: {(r['step_ddp_s'] - r['step_idle_s']) / r['allreduce_s']:.2f}×)",
              f"- step speed-up over DDP fp32 = {r['step_ddp_s'] / r['step_hook_s']:.2f}×; protocol speed-up over "
              f"the fp32 all_reduce = {r['allreduce_s'] / r['protocol_s']:.2f}×",
              f"- communication added to compute: hook {1e3 * comm_hook:.1f} ms, DDP {1e3 * comm_ddp:.1f} ms "

@@ -166,6 +166,30 @@ def _child(rank: int, world: int, tmp: str) -> None:
     res["overlap_seen"] = seen
     res["overlap_groups"] = st.last_stats["groups"]
 
+    # 2c. the integer all-reduce makes two exchanges per step: the scale statistics with the float32
+    # tensors and the agreement beside them, then the codes (2 ranks: each one all-to-all)
+    real = {n: getattr(dist, n) for n in ("all_reduce", "all_to_all_single", "all_gather_into_tensor",
+                                          "all_gather", "broadcast")}
+    calls: list = []
+
+    def counting(n):  # noqa: ANN001, ANN202
+        def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            calls.append(n)
+            return real[n](*a, **k)
+        return call
+    for spec in ("terngrad", "maxnorm:bits=2"):
+        m = ddp()
+        gradq.register(m, spec, group_mb=1.0, **KW)
+        backward(m, rank, 0)  # (the first step also checks the spec across ranks)
+        for n in real:
+            setattr(dist, n, counting(n))
+        try:
+            backward(m, rank, 1)
+        finally:
+            for n, f in real.items():
+                setattr(dist, n, f)
+        res[f"calls|{spec}"], calls[:] = list(calls), []
+
     # 3. a one-rank group: auto picks the local encode/decode
     groups = [dist.new_group([r]) for r in range(world)]
     m = ddp(groups[rank])
@@ -285,6 +309,12 @@ def test_quantizers_keep_replicas_identical(outs):
         for s in ("allgather", "ps", "scatter"):
             assert r[f"same|{s}"] == [True] * 2, s
             assert r[f"stats|{s}"]["strategy"] == s and r[f"stats|{s}"]["bytes_sent"] > 0
+
+
+def test_integer_allreduce_step_makes_two_exchanges(outs):
+    for r in outs:
+        for spec in ("terngrad", "maxnorm:bits=2"):
+            assert r[f"calls|{spec}"] == ["all_to_all_single"] * 2, (spec, r[f"calls|{spec}"])
 
 
 def test_policy_warmup_and_totals(outs):

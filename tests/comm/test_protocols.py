@@ -69,6 +69,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
         res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
                                              name="w", second_ef=ef2)
     from gradq.comm._util import SMALL_SUM_BYTES, all_gather_bytes, sum_over_ranks
+    from gradq.comm.allreduce import shared_scale_allreduce_many
     # small vectors: one all-to-all and a rank-order sum; large ones: the backend's all-reduce
     small, big = grad(rank, 1000), grad(rank, SMALL_SUM_BYTES // 4 // world + 1)
     res["sum_small"] = sum_over_ranks(small.clone(), None)
@@ -76,11 +77,25 @@ def _child(rank: int, world: int, tmp: str) -> None:
     from gradq.comm._util import reduce_over_ranks
     res["max_small"] = reduce_over_ranks(small.clone(), None, op="max")[0]
     res["min_big"] = reduce_over_ranks(big.clone(), None, op="min")[0]
+    from gradq.comm._util import TWO_ROUND_BYTES, reduce_segments
+    mid, huge = grad(rank, TWO_ROUND_BYTES // 4 - 3), grad(rank, TWO_ROUND_BYTES // 4 + 1)
+    res["sum_mid"] = sum_over_ranks(mid.clone(), None)      # 4 ranks: two all-to-alls; 2 ranks: the ring
+    res["sum_huge"] = sum_over_ranks(huge.clone(), None)    # the backend's all-reduce
+    for label, x in (("small", small), ("mid", mid), ("huge", huge)):  # MAX, SUM and MIN in one vector
+        n = x.numel()
+        res[f"segments|{label}"] = reduce_segments(x.clone(), [(7, "max"), (n - 14, "sum"), (7, "min")], None)
+    q = gradq.build("terngrad")
+    xs = [grad(rank, 300), grad(rank, 1001)]
+    for k in (10, 70_000):  # an extra vector beside the statistics (70 000: an exchange of its own)
+        info: dict = {}
+        outs = shared_scale_allreduce_many(xs, q, seeds=[1, 2], names=["a", "b"], info=info,
+                                           extra=grad(rank, k))
+        res[f"extra|{k}"] = (outs, info["extra_sum"], shared_scale_allreduce_many(xs, q, seeds=[1, 2],
+                                                                                  names=["a", "b"]))
     # all-gather of byte buffers of different lengths: small through one all-to-all, large by the ring
     for n in (10, SMALL_SUM_BYTES // world + 5):
         mine = torch.full((n + rank,), rank + 1, dtype=torch.uint8)
         res[f"gather_bytes|{n}"] = [b.clone() for b in all_gather_bytes(mine, None, None)]
-    from gradq.comm.allreduce import shared_scale_allreduce_many
     for spec in ("terngrad", "maxnorm:bits=2", "multiscale"):  # several tensors in one exchange per kind
         q = gradq.build(spec)
         xs = [grad(rank, 300), grad(rank, 1001), grad(rank, 5)]
@@ -204,9 +219,11 @@ def test_sum_over_ranks_and_byte_gather(run):
     assert torch.equal(got, want) and sent == (world - 1) * 4000
     big = torch.stack([grad(r, SMALL_SUM_BYTES // 4 // world + 1) for r in range(world)])
     got, sent = outs[0]["sum_big"]
-    # the ring adds in its own order: equal to float rounding (a few ulps of the largest partial sum)
+    # 2 ranks: the ring adds in its own order: equal to float rounding (a few ulps of the largest
+    # partial sum); 4 ranks: two all-to-alls, rank order; both send a ring's bytes (to a split's rounding)
     assert torch.allclose(got, big.sum(0), rtol=0, atol=1e-5 * float(big.abs().sum(0).max()))
-    assert sent == 2 * (world - 1) * 4 * big.shape[1] // world
+    ring = 2 * (world - 1) * 4 * big.shape[1] // world
+    assert ring <= sent <= ring + 4 * world
     assert torch.equal(outs[0]["max_small"], torch.stack(small).amax(0))  # MAX and MIN are exact in any order
     assert torch.equal(outs[0]["min_big"], big.amin(0))
     for n in (10, SMALL_SUM_BYTES // world + 5):
@@ -214,6 +231,62 @@ def test_sum_over_ranks_and_byte_gather(run):
             blocks = outs[r][f"gather_bytes|{n}"]
             assert [b.numel() for b in blocks] == [n + m for m in range(world)]
             assert all(bool((b == m + 1).all()) for m, b in enumerate(blocks))
+
+
+def _rank_order(xs: list) -> torch.Tensor:
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out += x
+    return out
+
+
+def test_mid_sized_sums_and_mixed_segments(run):
+    """Up to TWO_ROUND_BYTES with more than 2 ranks: two all-to-alls, a ring's bytes, added in rank
+    order (bit for bit, on every rank); beyond, the backend's ring (equal to float rounding). One
+    vector may mix MAX, SUM and MIN segments on every path."""
+    from gradq.comm._util import TWO_ROUND_BYTES
+
+    world, outs = run
+    mid = [grad(r, TWO_ROUND_BYTES // 4 - 3) for r in range(world)]
+    huge = [grad(r, TWO_ROUND_BYTES // 4 + 1) for r in range(world)]
+    n = mid[0].numel()
+    for r in range(world):
+        got, sent = outs[r]["sum_mid"]
+        if world > 2:
+            assert torch.equal(got, _rank_order(mid)), r
+            mine = n // world + (1 if r < n % world else 0)
+            assert sent == ((n - mine) + (world - 1) * mine) * 4
+        else:  # 2 ranks: 2 MiB over one all-to-all is over SMALL_SUM_BYTES, so the ring
+            assert torch.allclose(got, _rank_order(mid), rtol=0, atol=1e-5 * float(torch.stack(mid).abs().sum(0).max()))
+        got, sent = outs[r]["sum_huge"]
+        assert torch.allclose(got, _rank_order(huge), rtol=0, atol=1e-5 * float(torch.stack(huge).abs().sum(0).max()))
+        assert sent == 2 * (world - 1) * 4 * huge[0].numel() // world
+    small = [grad(r, 1000) for r in range(world)]
+    for label, xs in (("small", small), ("mid", mid), ("huge", huge)):
+        stack = torch.stack(xs)
+        for r in range(world):
+            got, _ = outs[r][f"segments|{label}"]
+            assert torch.equal(got[:7], stack[:, :7].amax(0)) and torch.equal(got[-7:], stack[:, -7:].amin(0))
+            body = _rank_order([x[7:-7] for x in xs])
+            if label == "huge":
+                assert torch.allclose(got[7:-7], body, rtol=0, atol=1e-5 * float(stack.abs().sum(0).max()))
+            else:
+                assert torch.equal(got[7:-7], body), (label, r)
+
+
+def test_extra_vector_rides_with_the_statistics(run):
+    """shared_scale_allreduce_many(extra=...): the same averages as without, and the extra's sum over
+    ranks (rank order while it shares the statistics' one all-to-all)."""
+    world, outs = run
+    for k in (10, 70_000):
+        extra = [grad(r, k) for r in range(world)]
+        for r in range(world):
+            with_extra, total, without = outs[r][f"extra|{k}"]
+            assert all(torch.equal(a, b) for a, b in zip(with_extra, without)), (k, r)
+            if k == 10 or world > 2:
+                assert torch.equal(total, _rank_order(extra)), (k, r)
+            else:
+                assert torch.allclose(total, _rank_order(extra), rtol=0, atol=1e-5 * float(torch.stack(extra).abs().sum(0).max()))
 
 
 def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
@@ -227,7 +300,8 @@ def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|")) or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|", "segments|", "extra|")) \
+                or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):

@@ -101,9 +101,13 @@ SMALL_SUM_BYTES = 1 << 20
 #: most bytes per rank the all-to-all may send beyond what a ring all-reduce would (a compression
 #: library does not trade many bytes for a round trip: the codes of a larger tensor take the ring)
 SMALL_EXTRA_BYTES = 16 * 1024
+#: largest vector (bytes) that more than 2 ranks all-reduce on CPU by two all-to-alls — a ring's bytes
+#: in 2 rounds instead of 2(M−1) — rather than by the backend's ring (4 gloo ranks on 2 cores: 0.47×
+#: the ring's time for 200 KB of float32, 0.89× for 1 MiB of uint8, 1.2× for 4 MiB of float32)
+TWO_ROUND_BYTES = 1 << 20
 
 
-_LOCAL_OPS = {"sum": None, "max": torch.maximum, "min": torch.minimum}
+_LOCAL_OPS = {"sum": None, "max": torch.maximum, "min": torch.minimum}  # combined locally in rank order
 
 
 def reduce_over_ranks(x: torch.Tensor, group: Any = None, *, op: str = "sum",
@@ -111,31 +115,106 @@ def reduce_over_ranks(x: torch.Tensor, group: Any = None, *, op: str = "sum",
     """:func:`sum_over_ranks` for ``op`` ``"sum"``, ``"max"`` or ``"min"`` (any dtype the backend moves):
     a small vector through one all-to-all, combined here in rank order; a large one by the backend's
     all-reduce with that op. Returns ``(result, bytes this rank sent)``; ``x`` may be overwritten."""
-    if op not in _LOCAL_OPS:
-        raise ValueError(f"op must be one of {sorted(_LOCAL_OPS)}, got {op!r}")
+    out, sent = reduce_segments(x.reshape(-1), [(x.numel(), op)], group, what=what)
+    return out.view_as(x), sent
+
+
+def one_round_fits(nbytes: int, world: int) -> bool:
+    """Whether ``nbytes`` per rank go through one all-to-all: at most :data:`SMALL_SUM_BYTES` times the
+    world in all, and at most :data:`SMALL_EXTRA_BYTES` sent beyond a ring's ``2(M−1)/M·n`` (the
+    all-to-all sends ``(M−1)·n``: the extra is ``(M−1)(M−2)/M·n``, none with 2 ranks)."""
+    extra = (world - 1) * (world - 2) * nbytes // world
+    return world * nbytes <= SMALL_SUM_BYTES and extra <= SMALL_EXTRA_BYTES
+
+
+def _combine(out: torch.Tensor, rows: torch.Tensor, offset: int, bounds: Sequence[tuple[int, int, str]]) -> None:
+    """``out`` ← the rank-order combination of ``rows`` (one row per rank), which hold the values at
+    ``offset…offset+len(out)`` of a vector whose segments ``bounds`` say which op applies where."""
+    out.copy_(rows[0])
+    end = offset + out.numel()
+    for lo, hi, op in bounds:
+        a, b = max(lo, offset) - offset, min(hi, end) - offset
+        if a >= b:
+            continue
+        fn, part = _LOCAL_OPS[op], out[a:b]
+        for r in range(1, rows.shape[0]):
+            if fn is None:
+                part += rows[r, a:b]
+            else:
+                fn(part, rows[r, a:b], out=part)
+
+
+def _two_rounds(x: torch.Tensor, bounds: Sequence[tuple[int, int, str]], group: Any,
+                what: str) -> tuple[torch.Tensor, int]:
+    """All-reduce by two all-to-alls, a ring's bytes in 2 rounds instead of 2(M−1): each rank combines
+    one M-th of the vector from every rank's copy (in rank order), then sends its part to all."""
+    world, rank, n = dist.get_world_size(group), dist.get_rank(group), x.numel()
+    base, rem = divmod(n, world)
+    sizes = [base + (1 if r < rem else 0) for r in range(world)]
+    mine, offset = sizes[rank], sum(sizes[:rank])
+    recv = torch.empty(world * mine, dtype=x.dtype, device=x.device)
+    collective(f"{what} of {n} values (reduce-scatter by all-to-all)", dist.all_to_all_single, recv, x,
+               output_split_sizes=[mine] * world, input_split_sizes=sizes, group=group)
+    part = torch.empty(mine, dtype=x.dtype, device=x.device)
+    _combine(part, recv.view(world, mine), offset, bounds)
+    out = torch.empty_like(x)
+    collective(f"{what} of {n} values (all-gather by all-to-all)", dist.all_to_all_single, out, part.repeat(world),
+               output_split_sizes=sizes, input_split_sizes=[mine] * world, group=group)
+    sent = ((n - mine) + (world - 1) * mine) * x.element_size()
+    return out, sent
+
+
+def reduce_segments(x: torch.Tensor, segments: Sequence[tuple[int, str]], group: Any = None, *,
+                    what: str = "the all-reduce") -> tuple[torch.Tensor, int]:
+    """Reduce the 1-D tensor ``x`` over the group's ranks, segment by segment: ``segments`` lists
+    ``(length, op)`` in order (``op``: ``"sum"``, ``"max"`` or ``"min"``; lengths add up to ``x.numel()``).
+
+    A small ``x`` (:func:`one_round_fits`) takes ONE all-to-all whatever its ops — the scale statistics
+    (a MAX) and the float32 tensors beside them (a SUM) share a round — and every rank combines the
+    ``M`` copies in rank order 0..M−1, so the result is identical on every rank. A larger CPU vector of
+    at most :data:`TWO_ROUND_BYTES` with more than 2 ranks takes two all-to-alls (each rank combines one
+    M-th in rank order, then sends it to all: a ring's bytes in 2 rounds). Larger still, or on a GPU,
+    the backend's all-reduce, once per op (its segments concatenated). Returns ``(result, bytes this
+    rank sent)``; ``x`` may be overwritten."""
+    if x.dim() != 1:
+        raise ValueError(f"reduce_segments needs a 1-D tensor, got shape {tuple(x.shape)}")
+    if sum(n for n, _ in segments) != x.numel():
+        raise ValueError(f"segments cover {sum(n for n, _ in segments)} values, the tensor has {x.numel()}")
+    for _, op in segments:
+        if op not in _LOCAL_OPS:
+            raise ValueError(f"op must be one of {sorted(_LOCAL_OPS)}, got {op!r}")
     world = dist.get_world_size(group)
     nbytes = x.numel() * x.element_size()
-    if world == 1:
+    if world == 1 or not x.numel():
         return x, 0
-    # the all-to-all sends (M−1)·n bytes where a ring sends 2(M−1)/M·n: take it only while the extra
-    # bytes, (M−1)(M−2)/M·n, stay below SMALL_EXTRA_BYTES (always with 2 ranks, where they are equal)
-    extra = (world - 1) * (world - 2) * nbytes // world
-    if world * nbytes <= SMALL_SUM_BYTES and extra <= SMALL_EXTRA_BYTES:
-        send = x.reshape(-1).repeat(world)
+    bounds: list[tuple[int, int, str]] = []
+    at = 0
+    for n, op in segments:
+        bounds.append((at, at + n, op))
+        at += n
+    if one_round_fits(nbytes, world):
+        send = x.repeat(world)
         recv = torch.empty_like(send)
         collective(f"{what} of {x.numel()} values (all-to-all)", dist.all_to_all_single, recv, send, group=group)
-        rows = recv.view(world, -1)
-        out = rows[0].clone()
-        fn = _LOCAL_OPS[op]
-        for r in range(1, world):
-            if fn is None:
-                out += rows[r]
-            else:
-                out = fn(out, rows[r])
-        return out.view_as(x), (world - 1) * nbytes
+        out = torch.empty_like(x)
+        _combine(out, recv.view(world, -1), 0, bounds)
+        return out, (world - 1) * nbytes
+    if world > 2 and x.device.type == "cpu" and nbytes <= TWO_ROUND_BYTES:
+        return _two_rounds(x, bounds, group, what)
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    collective(f"{what} of {x.numel()} values", dist.all_reduce, x, op=ops[op], group=group)
-    return x, (2 * (world - 1) * nbytes) // world
+    sent = 0
+    for op in sorted({op for _, _, op in bounds}):
+        mine = [(lo, hi) for lo, hi, o in bounds if o == op and hi > lo]
+        if not mine:
+            continue
+        whole = len(mine) == 1 and mine[0] == (0, x.numel())
+        flat = x if whole else torch.cat([x[lo:hi] for lo, hi in mine])
+        collective(f"{what} of {flat.numel()} values", dist.all_reduce, flat, op=ops[op], group=group)
+        if not whole:
+            for (lo, hi), part in zip(mine, torch.split(flat, [hi - lo for lo, hi in mine])):
+                x[lo:hi].copy_(part)
+        sent += (2 * (world - 1) * flat.numel() * flat.element_size()) // world
+    return x, sent
 
 
 def sum_over_ranks(x: torch.Tensor, group: Any = None, *, what: str = "the all-reduce") -> tuple[torch.Tensor, int]:
@@ -147,8 +226,10 @@ def sum_over_ranks(x: torch.Tensor, group: Any = None, *, what: str = "the all-r
     rank sends its whole vector to every other and adds the ``M`` copies in rank order 0..M−1. A ring
     all-reduce takes ``2(M−1)`` dependent steps, each a wake-up of every rank — most of its time for a
     few kilobytes (measured, 4 gloo ranks on 2 cores: 5.4 ms against 2.5 ms for the all-to-all) — and
-    the rank-order sum does not depend on where a value sits in the vector. Larger vectors use the
-    backend's all-reduce (ring: ``2(M−1)/M`` of the bytes instead of ``M−1`` times them)."""
+    the rank-order sum does not depend on where a value sits in the vector. Larger vectors send a
+    ring's ``2(M−1)/M`` of the bytes instead of ``M−1`` times them: by two all-to-alls (still added in
+    rank order) up to :data:`TWO_ROUND_BYTES` on CPU with more than 2 ranks, else by the backend's
+    all-reduce (:func:`reduce_segments`)."""
     return reduce_over_ranks(x, group, op="sum", what=what)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, phase, reduce_over_ranks
+from ._util import check_inputs, one_round_fits, phase, reduce_segments
 
 __all__ = ["shared_scale_allreduce", "shared_scale_allreduce_many", "code_dtype", "reduce_dtype",
            "allreduce_bytes_per_worker"]
@@ -114,25 +114,31 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
                                        info=info)[0]
 
 
-def _merged_reduce(items: list[tuple[Any, torch.Tensor]], group: Any, op: str, what: str) -> tuple[dict, int]:
-    """Reduce several small tensors of one dtype with one exchange: concatenated, reduced, split back."""
-    flat = torch.cat([t.reshape(-1) for _, t in items])
+def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what: str) -> tuple[dict, int]:
+    """Reduce several tensors of one dtype, each with its op (``(key, tensor, op)``), with one exchange
+    when they are small (:func:`reduce_segments`): concatenated, reduced, split back by key."""
+    flat = torch.cat([t.reshape(-1) for _, t, _ in items])
     if not flat.numel():
-        return {k: t for k, t in items}, 0
-    total, sent = reduce_over_ranks(flat, group, op=op, what=what)
-    parts = torch.split(total, [t.numel() for _, t in items])
-    return {k: part.view_as(t) for (k, t), part in zip(items, parts)}, sent
+        return {k: t for k, t, _ in items}, 0
+    total, sent = reduce_segments(flat, [(t.numel(), op) for _, t, op in items], group, what=what)
+    parts = torch.split(total, [t.numel() for _, t, _ in items])
+    return {k: part.view_as(t) for (k, t, _), part in zip(items, parts)}, sent
 
 
 def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, group: Any = None,
                                 seeds: Sequence[int], shared_seeds: Optional[Sequence[Optional[int]]] = None,
                                 names: Optional[Sequence[Optional[str]]] = None,
-                                info: Optional[dict] = None) -> list[torch.Tensor]:
+                                info: Optional[dict] = None, extra: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """:func:`shared_scale_allreduce` of several tensors at once, each quantized on its own (layer-wise
     schemes keep one scale per tensor) with its own seed, name and shared seed, but with ONE exchange
-    per reduction op for all their shared statistics and ONE per wire dtype for all their codes —
-    the same values as separate calls (integer sums, MAX and MIN do not depend on the order), for
-    far fewer collectives when the tensors are small. No cross-rank check (callers check once)."""
+    per wire dtype for all their shared statistics (whatever their reduction ops, while small; else one
+    per op) and ONE per wire dtype for all their codes — the same values as separate calls (integer
+    sums, MAX and MIN do not depend on the order), for far fewer collectives when the tensors are small.
+    No cross-rank check (callers check once).
+
+    ``extra``: a 1-D float32 vector to SUM over ranks along with the statistics (in their exchange:
+    the hook's float32 tensors and its agreement values ride there instead of taking a round of their
+    own); its sum is left in ``info["extra_sum"]`` (``info`` is then required)."""
     from . import derive_seed
 
     n = len(xs)
@@ -144,24 +150,37 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     backend = dist.get_backend(group)
     sent = 0
 
-    # 1. every tensor's shared statistics, one exchange per (reduction, wire dtype)
+    if extra is not None and (info is None or extra.dim() != 1 or extra.dtype != torch.float32):
+        raise ValueError("extra must be a 1-D float32 tensor, and its sum needs an info dict")
+
+    # 1. every tensor's shared statistics, one exchange per wire dtype (and the extra, summed beside them)
     with phase(info, "encode"):
         stats = [q.shared_stats(x, shared_seed=ss, name=nm) for x, ss, nm in zip(xs, shared_seeds, names)]
-    batches: dict[tuple[str, torch.dtype], list[tuple[tuple[int, str], torch.Tensor]]] = {}
+    batches: dict[str, list[tuple[Any, torch.Tensor, str]]] = {}
     for i, st in enumerate(stats):
         for key in sorted(st):
             value, op = st[key]
             if op not in _OPS:
                 raise ValueError(f"{q.spec}: shared stat {key!r} has unknown reduction {op!r}")
             wire = reduce_dtype(value.dtype, backend)
-            batches.setdefault((op, wire), []).append(((i, key), value.detach().to(wire).contiguous()))
-    reduced_all: dict[tuple[int, str], torch.Tensor] = {}
+            batches.setdefault(str(wire), []).append(((i, key), value.detach().to(wire).contiguous(), op))
+    if extra is not None:
+        # beside the float32 statistics while that stays one all-to-all; else an exchange of its own
+        # (a large extra must not push the few statistics onto a ring's 2(M−1) rounds)
+        f32 = batches.get(str(torch.float32), [])
+        both = 4 * (extra.numel() + sum(t.numel() for _, t, _ in f32))
+        label = str(torch.float32) if not f32 or one_round_fits(both, world) else "~extra"
+        batches.setdefault(label, []).append(("extra", extra, "sum"))
+    reduced_all: dict[Any, torch.Tensor] = {}
     with phase(info, "comm"):
-        for (op, wire) in sorted(batches, key=lambda k: (k[0], str(k[1]))):
-            got, b = _merged_reduce(batches[(op, wire)], group, op, "the all-reduce of the shared statistics")
+        for label in sorted(batches):
+            what = "the float32 all-reduce" if label == "~extra" else "the all-reduce of the shared statistics"
+            got, b = _merged_reduce(batches[label], group, what)
             reduced_all.update(got)
             sent += b
     reduced = [{key: reduced_all[(i, key)].to(stats[i][key][0].dtype) for key in stats[i]} for i in range(n)]
+    if extra is not None:
+        info["extra_sum"] = reduced_all["extra"]  # type: ignore[index]
 
     # 2. every tensor's codes, one exchange per wire dtype
     max_code = q.max_code  # type: ignore[attr-defined]
@@ -191,7 +210,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     summed: dict[int, torch.Tensor] = {}
     with phase(info, "comm"):
         for dt in sorted(by_dtype, key=str):
-            got, b = _merged_reduce(by_dtype[dt], group, "sum", "the integer all-reduce of the codes")
+            got, b = _merged_reduce([(i, t, "sum") for i, t in by_dtype[dt]], group,
+                                    "the integer all-reduce of the codes")
             summed.update(got)
             sent += b
     outs = []
