@@ -9,6 +9,9 @@ rank on emulated links, ``gradq.netem``), on a model (``--model``), each rank me
                 another) on the same gradient, flattened into one tensor (what a sequential
                 "compute, then communicate" step costs);
 * ``allreduce`` gloo's float32 ``all_reduce`` of that flat gradient;
+* ``sequence``  ``compute`` then ``protocol``, timed as one sequence after one barrier (a sequential
+                step as training would run it: the ranks reach the protocol at their own times, as
+                they reach the hook's collectives inside a DDP step);
 * ``step ddp``  a DDP step (forward + backward) with DDP's own float32 averaging;
 * ``step hook`` a DDP step with ``gradq.register(ddp, SPEC)``;
 * ``step idle`` a DDP step whose hook leaves the bucket as it is (DDP's own machinery, no
@@ -125,6 +128,11 @@ def _measure(args: argparse.Namespace) -> None:
         seed[0] += 1
         average(flat.clone(), q, protocol, seed=seed[0], verify=False)
 
+    def sequence() -> None:  # compute, then communicate: the sequential step the hook is set against
+        local_step()
+        seed[0] += 1
+        average(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), q, protocol, seed=seed[0], verify=False)
+
     def step(m: DDP) -> Callable[[], None]:
         def run() -> None:
             m.zero_grad(set_to_none=False)
@@ -134,6 +142,7 @@ def _measure(args: argparse.Namespace) -> None:
         return run
 
     cases = {"compute_s": local_step, "protocol_s": proto, "allreduce_s": lambda: dist.all_reduce(flat.clone()),
+             "sequence_s": sequence,
              "step_ddp_s": step(ddp_base), "step_hook_s": step(ddp), "step_idle_s": step(ddp_idle)}
     for fn in cases.values():  # warm-up (the hook's first step also learns its groups)
         for _ in range(3):
@@ -171,6 +180,8 @@ def table(r: dict[str, Any], title: str) -> str:
              f"- hook step / (compute + protocol) = {r['step_hook_s']:.4f} / {seq:.4f} = **{r['step_hook_s'] / seq:.2f}**"
              f" (DDP's own, step / (compute + fp32 all_reduce): "
              f"{r['step_ddp_s'] / (r['compute_s'] + r['allreduce_s']):.2f})",
+             f"- hook step / (compute, then protocol, timed as one sequence) = {r['step_hook_s']:.4f} / "
+             f"{r['sequence_s']:.4f} = **{r['step_hook_s'] / r['sequence_s']:.2f}**",
              f"- hook step − DDP step without communication = {1e3 * (r['step_hook_s'] - r['step_idle_s']):.1f} ms "
              f"against the protocol's {ms('protocol_s')} ms: "
              f"**{(r['step_hook_s'] - r['step_idle_s']) / r['protocol_s']:.2f}×** (DDP's own against the fp32 "
