@@ -20,12 +20,10 @@ import numpy as np  # noqa: E402
 
 import gradq  # noqa: E402
 from gradq import kernels as K  # noqa: E402
-from gradq.codecs.bitpack import pack_bits  # noqa: E402
 from gradq.kernels import binary as KB  # noqa: E402
+from gradq.kernels import reference as R  # noqa: E402
 from gradq.quantizers._common import bucket_chunks  # noqa: E402
-from gradq.quantizers.base import EncodeContext  # noqa: E402
-from gradq.quantizers.binary import (BinGradB, BinGradPB, OneBit, SignSGD, bingrad_pb_threshold,  # noqa: E402
-                                     pairwise_row_sum)
+from gradq.quantizers.binary import bingrad_pb_threshold, pairwise_row_sum  # noqa: E402
 from gradq.random import RandomStream  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="numba kernels unavailable")
@@ -114,10 +112,18 @@ def test_pairwise_row_sum_is_the_documented_order(d):
 # -- statistics ---------------------------------------------------------------------------------------
 def ref_stats(x: torch.Tensor, bucket, mode: int, iters: int):
     """The torch reference's per-bucket threshold (float64) and float32 levels."""
-    q = {KB.SIGN: SignSGD(bucket), KB.ONEBIT: OneBit(bucket), KB.BINGRAD_B: BinGradB(bucket, iters)}[mode]
     ts, lvs = [], []
     for mat in bucket_chunks(x, bucket):
-        t, lv = q._threshold_levels(mat)
+        m64 = mat.to(torch.float64)
+        zero = m64.new_zeros(mat.shape[0])
+        if mode == KB.SIGN:
+            t, lv = zero, pairwise_row_sum(m64.abs()) / mat.shape[1]
+        elif mode == KB.ONEBIT:
+            up = mat >= 0
+            t, lv = zero, torch.stack([R.masked_mean(m64, ~up, zero), R.masked_mean(m64, up, zero)], dim=1)
+        else:
+            t, b0, b1 = R.bingrad_b_levels(mat, iters)
+            lv = torch.stack([b0, b1], dim=1)
         ts.append(t.to(torch.float64).reshape(-1))
         lvs.append(lv.to(torch.float32).reshape(-1))
     if not ts:
@@ -228,11 +234,9 @@ def test_bingrad_pb_stream_offset_and_advance(start):
     k_rng, r_rng = RandomStream(5).child(1), RandomStream(5).child(1)
     k_rng.offset = r_rng.offset = start
     packed, levels = KB.bingrad_pb_encode(x, bucket, k_rng)
-    ctx = EncodeContext(rng=r_rng)
-    parts = [BinGradPB(bucket)._chunk(m, ctx) for m in bucket_chunks(x, bucket)]
-    bits = torch.cat([b.reshape(-1) for b, _ in parts]).to(torch.int64)
-    assert torch.equal(packed, pack_bits(bits, 1))
-    assert torch.equal(levels, torch.cat([lv.reshape(-1) for _, lv in parts]))
+    want_packed, want_levels = R.bingrad_pb_encode(x, bucket, r_rng)
+    assert torch.equal(packed, want_packed)
+    assert torch.equal(levels, want_levels)
     assert k_rng.offset == r_rng.offset == start + 1300
 
 

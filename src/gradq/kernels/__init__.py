@@ -1,63 +1,51 @@
-"""Fast CPU paths (numba) for the fixed-width quantizers: fused quantize+pack, unpack+dequantize.
+"""Kernels: one home per primitive, with one backend per kind of device, chosen in one place.
 
-Each function takes and returns torch CPU tensors (shared with NumPy, no copies) and gives **the same
-bytes and the same floats** as the plain-torch reference it replaces — same seed, same output, on
-any number of threads:
+Every primitive the fixed-width quantizers need (per-bucket norms, uniform codes packed into bit
+fields or trits, level rounding, one-bit codes, and their decodes, including the fused mean of M
+payloads) is a function of this module. It hands the call to one of three backends, which give
+**the same bytes and the same floats** for the same seed:
 
-=====================  ===================================================================
-kernel                 plain-torch reference
-=====================  ===================================================================
-maxabs_scales          ``bucket_norms(bucket_view(x, bucket), "max")`` (of the clipped x)
-uniform_encode         ``pack_bits(uniform_codes(bucket_view(x), scales, s, rng) + s, width)``
-uniform_encode_trits   ``pack_trits(uniform_codes(..., 1, rng) + 1)`` (TernGrad, ``pack=trit``)
-maxabs_uniform_encode  both of the above fused (QSGD: norm, quantize and pack per bucket in cache)
-uniform_decode(_trits) ``uniform_decode(unpack_bits(...) - s, scales, s, n, bucket)``
-levels_encode/decode   ORQ/Linear ``round_to_levels`` per bucket chunk + ``pack_bits``; ``levels[idx]``
-threshold_encode       ``pack_bits(float64(x) >= t_b, 1)``; ``sign_encode``: ``x >= 0``
-bit_decode             two levels per bucket (``levels[2b + bit]``) or ``scale_b·(2·bit − 1)``
-terngrad_stats         ``clip_by_std``'s bound ``c·σ`` and the clipped max-abs (see the σ note)
-=====================  ===================================================================
+=========  ==========================================================================================
+backend    what and where
+=========  ==========================================================================================
+torch      :mod:`gradq.kernels.reference` — eager torch, any device: the specification and the oracle
+numba      :mod:`gradq.kernels.numba_ops` (+ ``binary``, ``levels``) — fused CPU kernels, the CPU default
+triton     :mod:`gradq.kernels.triton_ops` — fused GPU kernels, the CUDA default when triton imports
+=========  ==========================================================================================
 
-Randomness: ``rng`` is a :class:`gradq.random.RandomStream` (or an int seed for a fresh one).
-Element ``i`` uses counter ``rng.offset + i`` and the stream is advanced by exactly as many numbers as
-the reference draws (``num_buckets·bucket`` for the zero-padded uniform schemes, ``n`` for levels), so
-later draws from the same stream agree too.
+:func:`backend_for` decides by the tensor's device and ``GRADQ_KERNELS`` (``auto``, the default;
+``torch`` or ``0`` for the reference everywhere; ``numba``; ``triton`` to force Triton on every
+tensor — on CPU tensors through Triton's interpreter, which is how the suite tests the Triton kernels
+on machines without a GPU). :func:`set_backend` changes it for the process. The quantizers call the
+functions below and never test the device.
 
-Wire sizes: ``ceil(n·width/8)`` bytes of packed fields (``ceil(n/5)`` for trits), unchanged.
+Randomness: ``rng`` is a :class:`gradq.random.RandomStream` (or an int seed for a fresh one). Element
+``i`` uses counter ``rng.offset + i`` and the stream advances by exactly as many numbers as the
+reference draws (``num_buckets·bucket`` for the zero-padded uniform schemes, ``n`` for levels), so
+later draws from the same stream agree too. Wire sizes: ``ceil(n·width/8)`` bytes of packed fields
+(``ceil(n/5)`` for trits).
 
-Math notes (the references are the specification): ``r = float32(1/scale)·s`` is what torch evaluates
-for ``s / scale``; a zero scale reads as 1. Two deliberate differences:
-
-* where ``1/scale·s`` overflows to ``inf`` (a bucket max-abs below ``s/3.4e38``), the reference turns
-  a zero element into ``0·inf = NaN`` and fails to pack it; the kernel gives it code 0 (its value);
-* TernGrad's σ (:func:`population_std`) is summed in float64 in a fixed order, not by torch's
-  Welford pass: the two agree on ordinary data, but when ``|mean|/σ`` is large (~1e4) torch can be
-  one float32 ulp off the exact σ while the kernel's is the correctly rounded one, and the clip bound,
-  scale and bytes then differ from a ``torch.std`` reference.
-
-Switch: :func:`available` is False when numba cannot be imported, when the environment variable
-``GRADQ_KERNELS=0`` is set, or after ``set_enabled(False)``; callers consult it and fall back to torch.
-The first call of each kernel compiles it (a few seconds); ``cache=True`` stores the machine code
-next to the sources, so later processes load it.
+Threads: the numba kernels take this process's share of the cores (:func:`process_threads`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
-from ..errors import PayloadError
 from ..random import RandomStream
+from . import numba_ops, reference
+from . import binary as _numba_binary
+from . import levels as _numba_levels
 
-__all__ = ["available", "set_enabled", "maxabs_scales", "uniform_encode", "uniform_encode_trits",
+__all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_backend", "backend_for",
+           "process_threads", "maxabs_scales", "uniform_encode", "uniform_encode_trits",
            "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
-           "uniform_decode_trits_mean", "levels_encode",
-           "levels_decode", "threshold_encode", "sign_encode", "bit_decode", "population_std",
-           "terngrad_stats"]
+           "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
+           "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
+           "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode"]
 
 RngLike = Union[RandomStream, int]
 
@@ -98,131 +86,104 @@ def _share_threads() -> None:
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
+# -- backends ------------------------------------------------------------------------------------
 _share_threads()
-_ENABLED = os.environ.get("GRADQ_KERNELS", "1").strip() != "0"
-_CPU = None          # the imported gradq.kernels.cpu module, once loaded
-_IMPORT_ERROR: Optional[BaseException] = None
-_PART = 65536        # elements per parallel task (rounded to whole buckets and to 40)
-_INF32 = np.float32(np.inf)
+#: every name GRADQ_KERNELS accepts, and the mode it selects
+_MODES = {"": "auto", "1": "auto", "auto": "auto", "on": "auto", "0": "torch", "off": "torch", "torch": "torch",
+          "numba": "numba", "triton": "triton"}
 
 
-def _load():
-    global _CPU, _IMPORT_ERROR
-    if _CPU is None and _IMPORT_ERROR is None:
+def _mode_from_env() -> str:
+    raw = os.environ.get("GRADQ_KERNELS", "").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"GRADQ_KERNELS={raw!r} is not one of auto (default), torch (or 0), numba, triton")
+    return _MODES[raw]
+
+
+_MODE = _mode_from_env()
+_TRITON: Any = None          # the imported gradq.kernels.triton_ops module, once loaded
+_TRITON_ERROR: Optional[BaseException] = None
+
+
+def _triton() -> Any:
+    """The Triton backend module, or None when triton cannot be imported."""
+    global _TRITON, _TRITON_ERROR
+    if _TRITON is None and _TRITON_ERROR is None:
         try:
-            from . import cpu as _mod
-            _CPU = _mod
-        except Exception as exc:  # numba missing or broken: the torch paths remain
-            _IMPORT_ERROR = exc
-    return _CPU
+            from . import triton_ops as _mod
+            _TRITON = _mod
+        except Exception as exc:  # triton missing or broken: the other backends remain
+            _TRITON_ERROR = exc
+    return _TRITON
 
 
 def available() -> bool:
-    """True when the numba kernels can be used: numba imports, ``GRADQ_KERNELS`` is not ``0`` and
-    :func:`set_enabled` did not switch them off."""
-    return _ENABLED and _load() is not None
+    """True when the numba kernels serve CPU tensors: numba imports, and neither ``GRADQ_KERNELS``
+    nor :func:`set_enabled`/:func:`set_backend` chose another backend."""
+    return _MODE in ("auto", "numba") and numba_ops.loads()
+
+
+def triton_available() -> bool:
+    """True when the Triton backend imports (``pip install triton``; on a machine without a GPU its
+    kernels run under Triton's interpreter, for tests)."""
+    return _triton() is not None
 
 
 def set_enabled(flag: bool) -> None:
-    """Switch the kernels on or off for this process (what :func:`available` reports)."""
-    global _ENABLED
-    _ENABLED = bool(flag)
+    """Switch the fast kernels on (``True``: the default choice per device) or off (``False``:
+    the plain-torch reference everywhere) for this process."""
+    set_backend("auto" if flag else "torch")
 
 
-def _cpu():
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"gradq.kernels needs numba, which failed to import: {_IMPORT_ERROR!r}")
-    return mod
+def set_backend(mode: str) -> None:
+    """Choose the backends for this process, as ``GRADQ_KERNELS`` does at start-up: ``"auto"``
+    (numba for CPU tensors, Triton for CUDA tensors, torch where neither loads), ``"torch"`` (the
+    reference everywhere), ``"numba"`` (numba on CPU, torch elsewhere) or ``"triton"`` (Triton for
+    every tensor: on CPU tensors through Triton's interpreter, which is slow and meant for tests)."""
+    global _MODE
+    if mode not in ("auto", "torch", "numba", "triton"):
+        raise ValueError(f"unknown kernel backend {mode!r}: auto, torch, numba or triton")
+    if mode == "triton" and not triton_available():
+        raise RuntimeError(f"the Triton backend needs triton, which failed to import: {_TRITON_ERROR!r}")
+    _MODE = mode
 
 
-# -- argument handling ---------------------------------------------------------------------------
-def _vec(x: torch.Tensor, name: str, dtype: torch.dtype) -> np.ndarray:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor (the numba kernels run on the CPU), got {x.device}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    return x.detach().reshape(-1).contiguous().numpy()
+def get_backend() -> str:
+    """The mode :func:`set_backend` or ``GRADQ_KERNELS`` selected."""
+    return _MODE
 
 
-def _out(out: Optional[torch.Tensor], size: int, dtype: torch.dtype) -> torch.Tensor:
-    if out is None:
-        return torch.empty(size, dtype=dtype)
-    if out.dtype != dtype or out.device.type != "cpu" or out.numel() != size or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous CPU {dtype} tensor of {size} elements")
-    return out.view(-1)
+def backend_for(t: torch.Tensor) -> str:
+    """The backend that handles a tensor on ``t``'s device: ``"numba"``, ``"triton"`` or ``"torch"``.
+
+    The one place where gradq picks kernels by device: quantizers call the primitives below and
+    never test the device themselves."""
+    dev = t.device.type
+    if _MODE == "torch":
+        return "torch"
+    if _MODE == "triton" and triton_available() and (dev == "cuda" or _triton().INTERPRETED):
+        return "triton"  # (CPU tensors only under the interpreter, on machines without a GPU)
+    if dev == "cpu":
+        return "numba" if _MODE in ("auto", "numba") and numba_ops.loads() else "torch"
+    if dev == "cuda" and _MODE == "auto" and triton_available():
+        return "triton"
+    return "torch"
 
 
-def _bucket(n: int, bucket: Optional[int]) -> int:
-    if bucket is None:
-        return max(n, 1)
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-        raise ValueError(f"bucket must be a positive int or None, got {bucket!r}")
-    return bucket
+def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    b = "torch" if t.numel() == 0 else backend_for(t)  # nothing to compute: the reference's empties
+    if b == "numba":
+        mod: Any = numba_ops if hasattr(numba_ops, name) else (_numba_binary if name in _BINARY else _numba_levels)
+    elif b == "triton":
+        mod = _triton()
+    else:
+        mod = reference
+    return getattr(mod, name)
 
 
-def _nbuckets(n: int, d: int) -> int:
-    return (n + d - 1) // d
-
-
-def _chunk(d: int) -> int:
-    """Elements per parallel task: a multiple of 40 (byte-aligned for every width and for trits)
-    and, when that stays near 65536, of whole buckets. Depends on the bucket only."""
-    unit = d * 40 // math.gcd(d, 40)
-    return unit * max(1, _PART // unit) if unit <= _PART else 65520
-
-
-def _width(width: int) -> int:
-    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 8:
-        raise ValueError(f"width must be an int in [1, 8], got {width!r}")
-    return width
-
-
-def _levels_s(s: int, width: Optional[int]) -> int:
-    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-        raise ValueError(f"s must be a positive int, got {s!r}")
-    if width is not None and 2 * s >= (1 << width):
-        raise ValueError(f"fields c + s up to {2 * s} do not fit in {width} bits")
-    return s
-
-
-def _clip(clip: Optional[float]) -> np.float32:
-    if clip is None:
-        return _INF32
-    c = float(clip)
-    if not c >= 0:
-        raise ValueError(f"clip must be >= 0 or None, got {clip!r}")
-    return np.float32(c)
-
-
-def _stream(rng: RngLike, advance: int) -> tuple[int, int, int]:
-    """``(k1, k2, first counter)`` of ``rng``, advancing it by ``advance`` like the reference."""
-    if isinstance(rng, RandomStream):
-        start = rng.offset
-        rng.offset += advance
-        return rng.k1, rng.k2, start
-    if isinstance(rng, bool) or not isinstance(rng, int):
-        raise TypeError(f"rng must be a RandomStream or an int seed, got {type(rng).__name__}")
-    st = RandomStream(rng)
-    return st.k1, st.k2, 0
-
-
-def _scales(scales: torch.Tensor, nb: int, name: str = "scales") -> np.ndarray:
-    arr = _vec(scales, name, torch.float32)
-    if arr.size != nb:
-        raise ValueError(f"expected {nb} {name} (one per bucket), got {arr.size}")
-    return arr
-
-
-def _payload(data: torch.Tensor, need: int, what: str) -> np.ndarray:
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-        raise PayloadError(f"packed {what} must be a uint8 tensor")
-    arr = _vec(data, "packed", torch.uint8)
-    if arr.size != need:
-        raise PayloadError(f"packed {what} need {need} bytes, got {arr.size}")
-    return arr
+_BINARY = ("sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode")
 
 
 # -- max-abs norms and uniform codes (QSGD, MaxNorm, TernGrad) -----------------------------------
@@ -230,34 +191,7 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-bucket ``max |x|`` (float32, one per bucket; ``bucket=None``: the whole tensor). With
     ``clip``, the max of ``clamp(x, −clip, clip)``, i.e. ``min(max |x|, clip)`` (TernGrad)."""
-    xv = _vec(x, "x", torch.float32)
-    d = _bucket(xv.size, bucket)
-    res = _out(out, _nbuckets(xv.size, d), torch.float32)
-    if xv.size:
-        _cpu().maxabs_scales(xv.view(np.int32), d, _clip(clip), res.numpy())
-    return res
-
-
-def _uniform(x, scales, s, bucket, width, rng, clip, out, fused):
-    xv = _vec(x, "x", torch.float32)
-    n = xv.size
-    d = _bucket(n, bucket)
-    nb = _nbuckets(n, d)
-    nbytes = (n + 4) // 5 if width == 0 else (n * width + 7) // 8
-    packed = _out(out, nbytes, torch.uint8)
-    k1, k2, ctr0 = _stream(rng, nb * d)
-    if fused:
-        sc = torch.empty(nb, dtype=torch.float32)
-        if d > _PART and n:   # a big bucket: its norm first (parallel over parts), then quantize
-            maxabs_scales(x, bucket, clip, out=sc)
-            fused = False
-    else:
-        sc = scales
-    sv = _scales(sc, nb)
-    if n:
-        _cpu().uniform_encode(xv, xv.view(np.int32), sv, fused, s, d, width, _clip(clip), k1, k2, ctr0,
-                              _chunk(d), packed.numpy())
-    return packed, sc
+    return _impl("maxabs_scales", x)(x, bucket, clip, out)
 
 
 def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
@@ -266,15 +200,15 @@ def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Option
     """QSGD-style codes ``c = sgn(x)·min(floor(|x|·s/scale + u), s)`` under the given per-bucket
     ``scales`` (MaxNorm's shared scale), packed as ``width``-bit fields ``c + s``; ``clip`` clamps x
     first (TernGrad). Returns ``ceil(n·width/8)`` uint8 bytes."""
-    return _uniform(x, scales, _levels_s(s, _width(width)), bucket, width, rng, clip, out, False)[0]
+    return _impl("uniform_encode", x)(x, scales, s, bucket, width, rng, clip, out)
 
 
 def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
                           clip: Optional[float] = None,
                           out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`maxabs_scales` and :func:`uniform_encode` fused (QSGD with ``norm=max``): each bucket's
-    norm, codes and bytes in one pass while it is in cache. Returns ``(packed, scales)``."""
-    return _uniform(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, True)
+    norm, codes and bytes in one pass where the backend can. Returns ``(packed, scales)``."""
+    return _impl("maxabs_uniform_encode", x)(x, s, bucket, width, rng, clip, out)
 
 
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,
@@ -283,7 +217,7 @@ def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional
     """TernGrad's codes ``{−1, 0, 1}`` (``s = 1``) as trits ``c + 1``, five per byte (``ceil(n/5)``
     bytes); ``clip`` is TernGrad's bound ``c·σ``. For ``pack=2bit`` use :func:`uniform_encode` with
     ``s=1, width=2``."""
-    return _uniform(x, scales, 1, bucket, 0, rng, clip, out, False)[0]
+    return _impl("uniform_encode_trits", x)(x, scales, bucket, rng, clip, out)
 
 
 def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
@@ -291,49 +225,19 @@ def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: O
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``float32(field − s)·(scale_b/s)`` for ``n`` packed ``width``-bit fields. With ``max_field``,
     a field above it raises :class:`PayloadError` (TernGrad 2-bit: ``max_field=2``)."""
-    return _decode_uniform_mean([packed], [scales], _levels_s(s, None), bucket, _width(width), n, out, max_field)
+    return _impl("uniform_decode", packed)(packed, scales, s, bucket, width, n, max_field, out)
 
 
 def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TernGrad ``pack=trit`` decode: ``(trit − 1)·scale_b``; a byte above 242 raises PayloadError."""
-    return _decode_uniform_mean([packed], [scales], 1, bucket, 0, n, out, None)
+    return _impl("uniform_decode_trits", packed)(packed, scales, bucket, n, out)
 
 
-def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """One uint8 array and the offset of each payload's bytes in it: the storage they share (a
-    received buffer holding all of them: no copy) or else their concatenation."""
+def _first(packed: Sequence[torch.Tensor]) -> torch.Tensor:
     if not packed:
         raise ValueError("need at least one payload")
-    for t in packed:
-        _payload(t, nbytes, what)
-    st = packed[0].untyped_storage()
-    if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
-        base = torch.empty(0, dtype=torch.uint8).set_(st)
-        return base.numpy(), np.array([t.storage_offset() for t in packed], np.int64)
-    return torch.cat([t.reshape(-1) for t in packed]).numpy(), np.arange(len(packed), dtype=np.int64) * nbytes
-
-
-def _decode_uniform_mean(packed, scales, s, bucket, width, n, out, max_field):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if len(scales) != len(packed):
-        raise ValueError(f"{len(packed)} packed payloads but {len(scales)} scale vectors")
-    nbytes = (n + 4) // 5 if width == 0 else (n * width + 7) // 8
-    data, offs = _rows(packed, nbytes, "trits" if width == 0 else f"{width}-bit codes")
-    d = _bucket(n, bucket)
-    nb = _nbuckets(n, d)
-    for k, sc in enumerate(scales):
-        _scales(sc, nb, f"scales[{k}]")
-    res = _out(out, n, torch.float32)
-    if n:
-        sv = torch.stack([sc.reshape(-1) for sc in scales]).numpy()
-        bad = _cpu().uniform_decode_mean(data, offs, nbytes, sv, s, d, width,
-                                         255 if max_field is None else max_field, _chunk(d), res.numpy())
-        if bad:
-            what = "bytes above 242 (3**5 - 1)" if width == 0 else f"fields above {max_field}"
-            raise PayloadError(f"corrupt codes: {bad} {what}")
-    return res
+    return packed[0]
 
 
 def uniform_decode_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], s: int,
@@ -342,127 +246,94 @@ def uniform_decode_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.T
     """The mean of :func:`uniform_decode` over several payloads (``packed[j]`` with ``scales[j]``),
     added in list order in float32 and divided by their count — bit for bit the plain loop, in one
     pass (what the reducing rank of scatter/all-gather does with the M chunks it receives)."""
-    return _decode_uniform_mean(packed, scales, _levels_s(s, None), bucket, _width(width), n, out, max_field)
+    return _impl("uniform_decode_mean", _first(packed))(packed, scales, s, bucket, width, n, max_field, out)
 
 
 def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                               bucket: Optional[int], n: int,
                               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`uniform_decode_mean` for TernGrad's trits (five per byte)."""
-    return _decode_uniform_mean(packed, scales, 1, bucket, 0, n, out, None)
-
-
-# -- ORQ / Linear: rounding onto given levels ----------------------------------------------------
-def _level_matrix(levels: torch.Tensor, nb: int) -> tuple[np.ndarray, int]:
-    if not isinstance(levels, torch.Tensor) or levels.dim() != 2 or levels.shape[0] != nb:
-        raise ValueError(f"levels must be a ({nb}, L) float32 tensor, one row per bucket")
-    L = int(levels.shape[1])
-    if not 2 <= L <= 256:
-        raise ValueError(f"the number of levels must be in [2, 256], got {L}")
-    return _vec(levels, "levels", torch.float32), L
-
-
-def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, rng: RngLike,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Unbiased stochastic rounding of every element onto its bucket's sorted row of ``levels``
-    (``(num_buckets, L)``, rows covering their bucket's range), packed as ``width``-bit indices."""
-    xv = _vec(x, "x", torch.float32)
-    n = xv.size
-    d = _bucket(n, bucket)
-    lv, L = _level_matrix(levels, _nbuckets(n, d))
-    if L > (1 << _width(width)):
-        raise ValueError(f"{L} level indices do not fit in {width} bits")
-    packed = _out(out, (n * width + 7) // 8, torch.uint8)
-    k1, k2, ctr0 = _stream(rng, n)
-    if n:
-        _cpu().levels_encode(xv, lv, L, d, width, k1, k2, ctr0, _chunk(d), packed.numpy())
-    return packed
-
-
-def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, n: int,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``levels[b, index]`` for ``n`` packed indices; an index ``≥ L`` raises PayloadError."""
-    arr = _payload(packed, (n * _width(width) + 7) // 8, f"{width}-bit indices")
-    d = _bucket(n, bucket)
-    lv, L = _level_matrix(levels, _nbuckets(n, d))
-    res = _out(out, n, torch.float32)
-    if n and _cpu().levels_decode(arr, lv, L, d, width, _chunk(d), res.numpy()):
-        raise PayloadError(f"level index out of range [0, {L - 1}]")
-    return res
-
-
-# -- one bit per element -------------------------------------------------------------------------
-def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional[int],
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Bits ``float64(x) >= thresholds[b]`` (float64, one per bucket; BinGrad-b) packed 8 per byte."""
-    xv = _vec(x, "x", torch.float32)
-    d = _bucket(xv.size, bucket)
-    tv = _vec(thresholds, "thresholds", torch.float64)
-    if tv.size != _nbuckets(xv.size, d):
-        raise ValueError(f"expected {_nbuckets(xv.size, d)} thresholds, got {tv.size}")
-    packed = _out(out, (xv.size + 7) // 8, torch.uint8)
-    if xv.size:
-        _cpu().threshold_encode(xv, tv, d, _chunk(d), packed.numpy())
-    return packed
-
-
-def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Bits ``x >= 0`` (−0.0 gives 1) packed 8 per byte: the code of SignSGD and 1BitSGD."""
-    return threshold_encode(x, torch.zeros(1 if x.numel() else 0, dtype=torch.float64), None, out=out)
-
-
-def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], n: int,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decode one bit per element. ``levels`` of shape ``(nb, 2)``: ``levels[b, bit]`` (1BitSGD,
-    BinGrad-b); of shape ``(nb,)`` or ``(nb, 1)``: ``levels[b]·float32(2·bit − 1)`` (SignSGD, BinGrad-pb)."""
-    arr = _payload(packed, (n + 7) // 8, "bits")
-    d = _bucket(n, bucket)
-    nb = _nbuckets(n, d)
-    per = 2 if levels.dim() == 2 and levels.shape[1] == 2 else 1
-    lv = _vec(levels, "levels", torch.float32)
-    if lv.size != nb * per:
-        raise ValueError(f"expected {nb * per} levels ({per} per bucket), got {lv.size}")
-    res = _out(out, n, torch.float32)
-    if n:
-        _cpu().bit_decode(arr, lv, per, d, _chunk(d), res.numpy())
-    return res
+    return _impl("uniform_decode_trits_mean", _first(packed))(packed, scales, bucket, n, out)
 
 
 # -- TernGrad's clipping statistics ----------------------------------------------------------------
 def population_std(x: torch.Tensor) -> torch.Tensor:
-    """``torch.std(x, correction=0)`` (0-dim float32) computed in float64: per chunk of 65520 values
-    two passes (mean, then squared deviations), chunks merged in order. Deterministic and independent
-    of the thread count; equal to torch's result except when the exact σ lies within float64
-    rounding (~1e-13 relative) of a float32 rounding tie. NaN for an empty tensor."""
-    return _moments(x)[0]
-
-
-def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xv = _vec(x, "x", torch.float32)
-    if xv.size == 0:
-        return torch.tensor(float("nan")), torch.tensor(0.0)
-    chunk = 65520
-    parts = np.empty(((xv.size + chunk - 1) // chunk, 4), np.float64)
-    mod = _cpu()
-    mod.moments(xv, chunk, parts)
-    var, mx = mod.combine_moments(parts)
-    return torch.tensor(float(np.float32(np.sqrt(var)))), torch.tensor(float(mx))
+    """``torch.std(x, correction=0)`` (0-dim float32) computed in float64 and rounded once; NaN for
+    an empty tensor (see :func:`gradq.kernels.reference.population_std` for the agreement between
+    backends)."""
+    return _impl("population_std", x)(x)
 
 
 def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
                    ) -> tuple[Optional[float], torch.Tensor]:
     """TernGrad's ``(bound, scales)``: ``bound = float32(clip)·σ`` as in ``clip_by_std`` (None when
     ``clip`` is None, ``n ≤ 1`` or ``σ = 0``: no clipping) and the per-bucket max-abs of the clipped
-    vector, ``min(max |x|, bound)``. With one bucket, σ and the max come from the same pass.
-    Pass ``bound`` as ``clip=`` to :func:`uniform_encode_trits` / :func:`uniform_encode`."""
-    n = x.numel()
-    if clip is None or n <= 1:
-        return None, maxabs_scales(x, bucket)
-    sigma, mx = _moments(x)
-    bound = None
-    if float(sigma) > 0:
-        bound = float(np.float32(clip) * np.float32(float(sigma)))
-    if bucket is None or bucket >= n:
-        m = float(mx)
-        return bound, torch.tensor([m if bound is None or m < bound else bound], dtype=torch.float32)
-    return bound, maxabs_scales(x, bucket, clip=bound)
+    vector, ``min(max |x|, bound)``. Pass ``bound`` as ``clip=`` to :func:`uniform_encode_trits` /
+    :func:`uniform_encode`."""
+    return _impl("terngrad_stats", x)(x, clip, bucket)
+
+
+# -- ORQ / Linear: rounding onto given levels ----------------------------------------------------
+def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Unbiased stochastic rounding of every element onto its bucket's sorted row of ``levels``
+    (``(num_buckets, L)``, rows covering their bucket's range), packed as ``width``-bit indices."""
+    return _impl("levels_encode", x)(x, levels, bucket, width, rng, out)
+
+
+def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, n: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``levels[b, index]`` for ``n`` packed indices; an index ``≥ L`` raises PayloadError."""
+    return _impl("levels_decode", packed)(packed, levels, bucket, width, n, out)
+
+
+def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORQ-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
+    return _impl("orq_encode", x)(x, L, bucket, width, rng, out)
+
+
+def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
+    return _impl("linear_encode", x)(x, L, bucket, width, rng, out)
+
+
+# -- one bit per element -------------------------------------------------------------------------
+def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional[int],
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bits ``float64(x) >= thresholds[b]`` (float64, one per bucket; BinGrad-b) packed 8 per byte."""
+    return _impl("threshold_encode", x)(x, thresholds, bucket, out)
+
+
+def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bits ``x >= 0`` (−0.0 gives 1) packed 8 per byte: the code of SignSGD and 1BitSGD."""
+    return _impl("sign_encode", x)(x, out)
+
+
+def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], n: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode one bit per element. ``levels`` of shape ``(nb, 2)``: ``levels[b, bit]`` (1BitSGD,
+    BinGrad-b); of shape ``(nb,)`` or ``(nb, 1)``: ``levels[b]·float32(2·bit − 1)`` (SignSGD, BinGrad-pb)."""
+    return _impl("bit_decode", packed)(packed, levels, bucket, n, out)
+
+
+def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled SignSGD: ``(bits x ≥ 0 packed, float32 mean |x| per bucket)``."""
+    return _impl("sign_scale_encode", x)(x, bucket)
+
+
+def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1BitSGD: ``(bits x ≥ 0 packed, float32 (mean{x < 0}, mean{x ≥ 0}) per bucket, flattened)``."""
+    return _impl("onebit_encode", x)(x, bucket)
+
+
+def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int], iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """BinGrad-b: ``(bits float64(x) ≥ t packed, float32 (b0, b1) per bucket, flattened)``."""
+    return _impl("bingrad_b_encode", x)(x, bucket, iters)
+
+
+def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """BinGrad-pb: ``(packed bits, float32 b per bucket)``; bit ``u < (x + b)/(2b)`` (all ones in a
+    bucket with ``b = 0``), ``u`` the uniforms of ``rng`` (advanced by ``n``)."""
+    return _impl("bingrad_pb_encode", x)(x, bucket, rng)

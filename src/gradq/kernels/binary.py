@@ -1,13 +1,13 @@
 """Fast CPU paths (numba) for the one-bit quantizers: per-bucket statistics fused with the bit packing.
 
 Each function takes and returns torch CPU tensors and gives **the same bytes and the same floats**
-as the plain-torch reference in :mod:`gradq.quantizers.binary`, on any number of threads:
+as the plain-torch reference in :mod:`gradq.kernels.reference`, on any number of threads:
 
 ==========================  =========================================================================
 kernel                      plain-torch reference
 ==========================  =========================================================================
 sign_scale_encode           SignSGD: ``pairwise_row_sum(|x|)/d`` per bucket, bits ``x ≥ 0``
-onebit_encode               1BitSGD: ``_masked_mean`` of ``x < 0`` and ``x ≥ 0``, bits ``x ≥ 0``
+onebit_encode               1BitSGD: ``masked_mean`` of ``x < 0`` and ``x ≥ 0``, bits ``x ≥ 0``
 bingrad_b_encode            ``bingrad_b_levels(mat, iters)``, bits ``float64(x) ≥ t``
 binary_stats                the statistics of the three above without the bits
 bingrad_pb_levels           ``bingrad_pb_threshold(mat)`` per bucket chunk
@@ -15,7 +15,7 @@ bingrad_pb_encode           BinGrad-pb's level and its stochastic bits ``u < (x 
 ==========================  =========================================================================
 
 Sums: the float64 bucket sums of SignSGD, 1BitSGD and BinGrad-b are in the fixed pairwise order
-of :func:`gradq.quantizers.binary.pairwise_row_sum`, which the torch path uses too (torch's own
+of :func:`gradq.kernels.reference.pairwise_row_sum`, which the torch path uses too (torch's own
 ``sum``/``mean`` order depends on the CPU's vector width and, for a single row, on the thread count,
 so no kernel could match it in general). BinGrad-pb keeps torch's reference unchanged: its sorted
 sequential tail sums are matched exactly (see :mod:`gradq.kernels.cpu_binary` for how).
@@ -33,15 +33,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _PART, _bucket, _chunk, _nbuckets, _stream, _vec, RngLike, threshold_encode
+from .reference import SUM_BLOCK
+from .numba_ops import _PART, _bucket, _chunk, _nbuckets, _stream, _vec, RngLike, threshold_encode
 
 __all__ = ["SUM_BLOCK", "SIGN", "ONEBIT", "BINGRAD_B", "binary_stats", "sign_scale_encode", "onebit_encode",
            "bingrad_b_encode", "bingrad_pb_levels", "bingrad_pb_encode"]
 
 SIGN, ONEBIT, BINGRAD_B = 0, 1, 2
-#: elements per block of the fixed summation order (part of the definition of every sum here and in
-#: :func:`gradq.quantizers.binary.pairwise_row_sum`, which imports it)
-SUM_BLOCK = 4096
 _MODES = {SIGN: 1, ONEBIT: 2, BINGRAD_B: 2}   # float32 levels per bucket
 
 _MOD = None
@@ -50,7 +48,7 @@ _MOD = None
 def _cpu():
     global _MOD
     if _MOD is None:
-        from . import _cpu as _load_base
+        from .numba_ops import _cpu as _load_base
         _load_base()   # raises a clear error when numba is missing
         from . import cpu_binary
         _MOD = cpu_binary

@@ -4,7 +4,7 @@ Every function works on 1-D NumPy arrays (zero-copy views of torch CPU tensors, 
 :mod:`gradq.kernels.binary`) and reproduces the plain-torch reference bit for bit:
 
 * **fixed-order sums** (BinGrad-b, 1BitSGD, scaled SignSGD): every float64 bucket sum is the
-  pairwise order of :func:`gradq.quantizers.binary.pairwise_row_sum` — blocks of ``block``
+  pairwise order of :func:`gradq.kernels.reference.pairwise_row_sum` — blocks of ``block``
   elements, each folded in half repeatedly (``a[i] += a[i + h]``, an odd last entry kept), then the
   block sums folded the same way; contiguous halves, so every fold is a plain vector add. Masked sums
   add ``+0.0`` where the mask is off, as ``torch.where(mask, x, 0)`` does.
@@ -160,7 +160,7 @@ def _first_fold(xs, t, kind, lo, hi):
 
 @_func
 def _bucket_sums(xs, t, kind, block, lo, hi, blo, bhi):
-    """Sums of a bucket in the order of :func:`gradq.quantizers.binary.pairwise_row_sum` (blocks of
+    """Sums of a bucket in the order of :func:`gradq.kernels.reference.pairwise_row_sum` (blocks of
     ``block`` elements folded, then the block sums folded) and the count of x ≥ t: ``(s, ·, ·)``
     for ``_SUM`` / ``_ABSSUM``, ``(s_lower, s_upper, count)`` for ``_SPLIT``. Scratch: ``lo``/``hi``
     hold ``block // 2`` values, ``blo``/``bhi`` one per block."""

@@ -1,7 +1,7 @@
 """Fast CPU paths (numba) for ORQ-L and Linear-L: per-bucket levels, and levels + rounding + packing.
 
 Each function takes and returns torch CPU tensors and gives **the same bits** as the plain-torch
-reference in :mod:`gradq.quantizers.orq`, on any number of threads:
+reference in :mod:`gradq.kernels.reference`, on any number of threads:
 
 =================  ==============================================================================
 kernel             plain-torch reference
@@ -44,8 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import RngLike, _bucket, _cpu, _nbuckets, _out, _stream, _vec, _width
-from . import levels_encode as _round_encode
+from .numba_ops import RngLike, _bucket, _cpu, _nbuckets, _out, _stream, _vec, _width
+from .numba_ops import levels_encode as _round_encode
 
 __all__ = ["orq_levels", "linear_levels", "orq_encode", "linear_encode", "ORQ_LEVELS"]
 

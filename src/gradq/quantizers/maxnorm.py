@@ -19,11 +19,11 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..codecs.bitpack import packed_nbytes
 from ..spec import IntParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
 from .. import kernels
-from ._common import fast_cpu, bucket_norms, bucket_view, code_width, num_buckets
+from ._common import bucket_norms, bucket_view, code_width, num_buckets
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode
 
 __all__ = ["MaxNorm", "check_shared_scale"]
@@ -65,9 +65,14 @@ class MaxNorm(SummableQuantizer):
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        if self.norm == "max" and fast_cpu(v):
+        if self.norm == "max":
             return {"scale": SharedStat(kernels.maxabs_scales(v, self.bucket), "max")}
         return {"scale": SharedStat(bucket_norms(bucket_view(v, self.bucket), self.norm), "max")}
+
+    def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
+        scale = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        return scale
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"]
@@ -75,46 +80,28 @@ class MaxNorm(SummableQuantizer):
         return uniform_codes(bucket_view(v, self.bucket), scale, self.s, ctx.rng).reshape(-1)[: v.numel()]
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        scale = ctx.shared["scale"].to(torch.float32)
-        if fast_cpu(v):
-            check_shared_scale(self.name, scale, ctx.own["scale"].value)
-            return {"codes": kernels.uniform_encode(v, scale, self.s, self.bucket, self.width, ctx.rng),
-                    "scales": scale}
-        codes = self._codes(v, ctx)
-        return {"codes": pack_bits(codes + self.s, self.width), "scales": scale}
+        scale = self._shared_scale(ctx)
+        return {"codes": kernels.uniform_encode(v, scale, self.s, self.bucket, self.width, ctx.rng), "scales": scale}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        if not fast_cpu(out):
-            return False
         kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
         return True
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
-        if not fast_cpu(out):
-            return False
         kernels.uniform_decode_mean([f["codes"] for f in fields], [f["scales"] for f in fields], self.s,
                                     self.bucket, self.width, numel, out=out)
         return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        if fast_cpu(fields["codes"]):
-            return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
-        codes = unpack_bits(fields["codes"], self.width, numel) - self.s
-        return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
+        return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
 
     def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        if not fast_cpu(v):
-            return None
-        scale = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
-        return kernels.uniform_encode(v, scale, self.s, self.bucket, 8, ctx.rng)
+        return kernels.uniform_encode(v, self._shared_scale(ctx), self.s, self.bucket, 8, ctx.rng)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes; the kernel's scale/(M·s) per bucket gives the average directly
-        if not fast_cpu(total):
-            return None
         return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,

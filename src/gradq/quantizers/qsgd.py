@@ -44,12 +44,13 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..codecs.ans import ans_decode_codes, ans_encode_codes, constriction_module, crc_field
-from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..codecs.bitpack import packed_nbytes
 from ..errors import PayloadError, SpecError
 from ..spec import ChoiceParam, IntParam, register
 from .base import EncodeContext, Quantizer
 from .. import kernels
-from ._common import fast_cpu, bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets, stochastic_round
+from ..kernels.reference import dequantize_uniform as uniform_decode, uniform_codes
+from ._common import bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets
 
 __all__ = ["QSGD", "uniform_codes", "uniform_decode", "resolve_levels"]
 
@@ -86,23 +87,6 @@ def levels_spec_items(s: int) -> list[tuple[str, str]]:
         if levels_from_bits(b) == s:
             return [("bits", str(b))]
     return [("levels", str(s))]
-
-
-def uniform_codes(mat: torch.Tensor, scales: torch.Tensor, s: int, rng) -> torch.Tensor:
-    """Signed integer codes in ``[-s, s]`` of a bucket matrix under per-row ``scales``:
-    ``sgn(v)·round_stochastic(|v|·s/scale)``; a zero scale gives zero codes."""
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-    # a scale below s/3.4e38 makes s/scale overflow to inf; 0·inf must stay 0 (a zero stays a zero)
-    a = torch.nan_to_num(mat.abs() * (s / safe), nan=0.0)
-    mag = stochastic_round(a, rng).clamp_(max=s)
-    return (torch.sign(mat) * mag).to(torch.int32)
-
-
-def uniform_decode(codes: torch.Tensor, scales: torch.Tensor, s: float, n: int,
-                   bucket: Optional[int]) -> torch.Tensor:
-    """``scale·c/s`` per bucket for flat ``codes`` of length ``n`` (codes may be sums over workers)."""
-    mat = bucket_view(codes.to(torch.float32), bucket)
-    return (mat * (scales.to(torch.float32) / s).unsqueeze(1)).reshape(-1)[:n]
 
 
 @register("qsgd")
@@ -165,12 +149,12 @@ class QSGD(Quantizer):
             raise PayloadError(f"{self.name}: field 'stream' is empty (every stream holds a layout flag bit)")
 
     def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
-        # the fused kernels only do arithmetic on NaN/Inf; a bucket's L2 or max norm is NaN/Inf
+        # every backend only does arithmetic on NaN/Inf; a bucket's L2 or max norm is NaN/Inf
         # exactly when the bucket holds one (or, L2 only, when finite squares overflow)
-        return self.coding == "fixed" and x.dtype == torch.float32 and fast_cpu(x)
+        return self.coding == "fixed" and x.dtype == torch.float32
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        if self.coding == "fixed" and fast_cpu(v):
+        if self.coding == "fixed":
             if self.norm == "max":  # norm, quantize and pack fused per bucket
                 packed, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, self.width, ctx.rng)
             else:
@@ -180,8 +164,6 @@ class QSGD(Quantizer):
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
         codes = uniform_codes(mat, scales, self.s, ctx.rng).reshape(-1)[: v.numel()]
-        if self.coding == "fixed":
-            return {"codes": pack_bits(codes + self.s, self.width), "scales": scales}
         if self.coding == "ans":
             out = ans_encode_codes(codes)
             crc = crc_field(out["ans"], out["model"], out["range"])
@@ -193,14 +175,14 @@ class QSGD(Quantizer):
         return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        if self.coding != "fixed" or not fast_cpu(out):
+        if self.coding != "fixed":
             return False
         kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
         return True
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
-        if self.coding != "fixed" or not fast_cpu(out):
+        if self.coding != "fixed":
             return False
         kernels.uniform_decode_mean([f["codes"] for f in fields], [f["scales"] for f in fields], self.s,
                                     self.bucket, self.width, numel, out=out)
@@ -208,11 +190,7 @@ class QSGD(Quantizer):
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         if self.coding == "fixed":
-            if fast_cpu(fields["codes"]):
-                return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width,
-                                              numel)
-            codes = unpack_bits(fields["codes"], self.width, numel) - self.s
-            return uniform_decode(codes, fields["scales"], self.s, numel, self.bucket)
+            return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
         names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
         if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
             raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "

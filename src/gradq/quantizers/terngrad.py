@@ -32,39 +32,15 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..codecs.bitpack import pack_bits, pack_trits, packed_nbytes, trit_nbytes, unpack_bits, unpack_trits
-from ..errors import PayloadError
+from ..codecs.bitpack import packed_nbytes, trit_nbytes
 from ..spec import ChoiceParam, FloatParam, IntParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
 from .. import kernels
-from ._common import fast_cpu, bucket_norms, bucket_view, num_buckets
+from ..kernels.reference import clip_by_std, dequantize_uniform as uniform_decode, population_std, uniform_codes
+from ._common import bucket_view, num_buckets
 from .maxnorm import check_shared_scale
-from .qsgd import uniform_codes, uniform_decode
 
 __all__ = ["TernGrad", "clip_by_std", "population_std"]
-
-
-def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
-    """Eq. 21 on a flat float32 vector: ``clamp(v, −c·σ, c·σ)`` with ``σ`` the population standard
-    deviation of ``v``. ``c=None``, an empty or one-element vector, or ``σ = 0`` return ``v`` unchanged."""
-    if c is None or v.numel() <= 1:
-        return v
-    sigma = population_std(v)
-    bound = c * sigma
-    # sigma == 0 (constant vector): no clipping, see the module docstring.
-    bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf")))
-    return torch.clamp(v, -bound, bound)
-
-
-def population_std(v: torch.Tensor) -> torch.Tensor:
-    """σ of a flat float32 vector, computed in float64 (two passes) and rounded once to float32.
-
-    [decided] Float64 makes σ the correctly rounded value on any data (a float32 pass can be an ulp off
-    when ``|mean|/σ`` is large) and lets the fused kernel (:func:`gradq.kernels.population_std`) agree
-    with this reference bit for bit, except when the exact σ lies within float64 rounding (~1e-13
-    relative) of a float32 rounding tie."""
-    v64 = v.to(torch.float64)
-    return torch.sqrt(((v64 - v64.mean()) ** 2).mean()).to(torch.float32)
 
 
 @register("terngrad")
@@ -117,14 +93,18 @@ class TernGrad(SummableQuantizer):
         return bucket_view(clip_by_std(v, self.clip), self.bucket)
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        return {"scale": SharedStat(bucket_norms(self._clipped_matrix(v), "max"), "max")}
+        return {"scale": SharedStat(kernels.terngrad_stats(v, self.clip, self.bucket)[1], "max")}
 
     def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
-        if fast_cpu(v):  # σ, clip bound and clipped max-abs in one pass; the bound is kept for _encode
-            bound, scales = kernels.terngrad_stats(v, self.clip, self.bucket)
-            ctx.scratch["bound"] = bound
-            return {"scale": SharedStat(scales, "max")}
-        return self._shared_stats(v, ctx.shared_seed)
+        # σ, clip bound and clipped max-abs (one pass where the backend fuses them); the bound is kept
+        bound, scales = kernels.terngrad_stats(v, self.clip, self.bucket)
+        ctx.scratch["bound"] = bound
+        return {"scale": SharedStat(scales, "max")}
+
+    def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
+        scale = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        return scale
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         mat = self._clipped_matrix(v)
@@ -134,22 +114,15 @@ class TernGrad(SummableQuantizer):
         return uniform_codes(mat, scale, 1, ctx.rng).reshape(-1)[: v.numel()]
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        if "bound" in ctx.scratch:  # the fused kernels (see _own_stats)
-            scale = ctx.shared["scale"].to(torch.float32)
-            check_shared_scale(self.name, scale, ctx.own["scale"].value)
-            bound = ctx.scratch["bound"]
-            if self.pack == "trit":
-                packed = kernels.uniform_encode_trits(v, scale, self.bucket, ctx.rng, clip=bound)
-            else:
-                packed = kernels.uniform_encode(v, scale, 1, self.bucket, 2, ctx.rng, clip=bound)
-            return {"codes": packed, "scales": scale}
-        shifted = self._codes(v, ctx) + 1
-        packed = pack_trits(shifted) if self.pack == "trit" else pack_bits(shifted, 2)
-        return {"codes": packed, "scales": ctx.shared["scale"].to(torch.float32)}
+        scale = self._shared_scale(ctx)
+        bound = ctx.scratch["bound"]
+        if self.pack == "trit":
+            packed = kernels.uniform_encode_trits(v, scale, self.bucket, ctx.rng, clip=bound)
+        else:
+            packed = kernels.uniform_encode(v, scale, 1, self.bucket, 2, ctx.rng, clip=bound)
+        return {"codes": packed, "scales": scale}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        if not fast_cpu(out):
-            return False
         if self.pack == "trit":
             kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel, out=out)
         else:
@@ -158,8 +131,6 @@ class TernGrad(SummableQuantizer):
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
-        if not fast_cpu(out):
-            return False
         codes, scales = [f["codes"] for f in fields], [f["scales"] for f in fields]
         if self.pack == "trit":
             kernels.uniform_decode_trits_mean(codes, scales, self.bucket, numel, out=out)
@@ -168,29 +139,15 @@ class TernGrad(SummableQuantizer):
         return True
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        if fast_cpu(fields["codes"]):
-            if self.pack == "trit":
-                return kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel)
-            return kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2)
         if self.pack == "trit":
-            codes = unpack_trits(fields["codes"], numel) - 1
-        else:
-            codes = unpack_bits(fields["codes"], 2, numel) - 1
-            if codes.numel() and int(codes.max()) > 1:
-                raise PayloadError(f"{self.name}: corrupt codes (2-bit field value 3 is not a trit)")
-        return uniform_decode(codes, fields["scales"], 1, numel, self.bucket)
+            return kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel)
+        return kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2)
 
     def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        if "bound" not in ctx.scratch:  # no fused kernels here (see _own_stats)
-            return None
-        scale = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
-        return kernels.uniform_encode(v, scale, 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
+        return kernels.uniform_encode(v, self._shared_scale(ctx), 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int) -> Optional[torch.Tensor]:
-        if not fast_cpu(total):
-            return None
         return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,

@@ -1,0 +1,570 @@
+"""The plain-torch backend of :mod:`gradq.kernels`: the specification every fast backend reproduces.
+
+Each primitive of :mod:`gradq.kernels` is written here once in eager torch. It runs on any device.
+The numba kernels (CPU) and the Triton kernels (GPU, or CPU under Triton's interpreter) give the same
+bytes and floats for the same seed, and the tests compare them with these functions. The path is
+used wherever no fast backend applies, or when ``GRADQ_KERNELS=torch`` (or ``0``) asks for it.
+
+The first half holds the math the quantizer families share (bucket views and norms, stochastic
+rounding, uniform codes, level construction and rounding, pairwise sums, BinGrad's statistics); the
+second half the kernel API, whose functions take and return exactly what the other backends'
+functions of the same names do (packed bytes, per-bucket scales or levels).
+
+Arithmetic (float32 throughout unless named): uniform codes ``r = s / scale`` (torch evaluates it as
+``float32(1/scale)·s``; a zero scale reads as 1), ``a = |x|·r`` (``0·inf`` from a denormal scale is
+0), ``m = min(floor(a + u), s)``; decode ``float32(c)·(scale/s)``; a mean of M decodes adds them in
+order, then divides by M. Level rounding: ``hi = searchsorted(levels, x)``, ``p = (x − l_lo)/(l_hi −
+l_lo)``, index ``hi if u < p else lo``. The references allocate as eager torch does (a few
+input-sized temporaries); the fast kernels do not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..codecs.bitpack import pack_bits, pack_trits, unpack_bits, unpack_trits
+from ..errors import PayloadError
+from ..random import RandomStream
+
+__all__ = [
+    # shared math
+    "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "stochastic_round",
+    "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std", "orq_levels", "linear_levels",
+    "round_to_levels", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
+    "bingrad_b_levels",
+    # the kernel API
+    "maxabs_scales", "uniform_encode", "maxabs_uniform_encode", "uniform_encode_trits", "uniform_decode",
+    "uniform_decode_trits", "uniform_decode_mean", "uniform_decode_trits_mean", "terngrad_stats",
+    "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
+    "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
+]
+
+RngLike = Union[RandomStream, int]
+
+#: length of the runs that :func:`pairwise_row_sum` folds before folding the run sums
+SUM_BLOCK = 4096
+
+
+# == shared math ==================================================================================
+def num_buckets(n: int, bucket: Optional[int]) -> int:
+    """Number of buckets of size ``bucket`` (``None`` = one bucket for the whole tensor)."""
+    if n == 0:
+        return 0
+    if bucket is None:
+        return 1
+    return (n + bucket - 1) // bucket
+
+
+def bucket_view(v: torch.Tensor, bucket: Optional[int]) -> torch.Tensor:
+    """``v`` as an ``(num_buckets, d)`` matrix, the last bucket zero-padded.
+
+    Zero padding is harmless for norms and for any rounding where a zero stays a zero; schemes that
+    look at the bucket's minimum, quantiles or counts use :func:`bucket_chunks` instead."""
+    n = v.numel()
+    d = n if bucket is None else bucket
+    nb = num_buckets(n, bucket)
+    if nb == 0:
+        return v.new_zeros(0, max(d, 1))
+    pad = nb * d - n
+    if pad:
+        v = torch.cat([v, v.new_zeros(pad)])
+    return v.view(nb, d)
+
+
+def bucket_chunks(v: torch.Tensor, bucket: Optional[int]) -> Iterator[torch.Tensor]:
+    """Yield at most two matrices covering ``v`` in order, without padding: the full buckets as a
+    ``(k, bucket)`` matrix and the last partial bucket as a ``(1, r)`` matrix."""
+    n = v.numel()
+    if n == 0:
+        return
+    if bucket is None or bucket >= n:
+        yield v.view(1, n)
+        return
+    full = (n // bucket) * bucket
+    if full:
+        yield v[:full].view(-1, bucket)
+    if full < n:
+        yield v[full:].view(1, n - full)
+
+
+def bucket_index(n: int, bucket: Optional[int], device: torch.device) -> torch.Tensor:
+    """Bucket number (int64) of every coordinate ``0 … n−1``."""
+    if bucket is None:
+        return torch.zeros(n, dtype=torch.int64, device=device)
+    return torch.arange(n, dtype=torch.int64, device=device) // bucket
+
+
+def bucket_norms(mat: torch.Tensor, norm: str) -> torch.Tensor:
+    """Per-row L2 (``"l2"``) or max-abs (``"max"``) norm of a bucket matrix."""
+    if mat.numel() == 0:
+        return mat.new_zeros(mat.shape[0])
+    if norm == "l2":
+        return torch.linalg.vector_norm(mat, dim=1)
+    return mat.abs().amax(dim=1)
+
+
+def stochastic_round(a: torch.Tensor, rng: RandomStream) -> torch.Tensor:
+    """Round non-negative ``a`` to ``floor(a)`` or ``floor(a)+1`` with probability of the latter
+    ``a - floor(a)`` (unbiased): ``floor(a + u)`` with ``u`` uniform on [0, 1)."""
+    u = rng.uniform(a.numel(), a.device).view(a.shape)
+    return torch.floor(a + u)
+
+
+def uniform_codes(mat: torch.Tensor, scales: torch.Tensor, s: int, rng: RandomStream) -> torch.Tensor:
+    """Signed integer codes in ``[-s, s]`` of a bucket matrix under per-row ``scales``:
+    ``sgn(v)·round_stochastic(|v|·s/scale)``; a zero scale gives zero codes."""
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    # a scale below s/3.4e38 makes s/scale overflow to inf; 0·inf must stay 0 (a zero stays a zero)
+    a = torch.nan_to_num(mat.abs() * (s / safe), nan=0.0)
+    mag = stochastic_round(a, rng).clamp_(max=s).to(torch.int32)
+    # the sign as the kernels take it (x < 0): a NaN gets code 0 instead of an undefined cast, so an
+    # encode runs harmlessly on non-finite data and its NaN scales reveal it afterwards
+    return torch.where(mat < 0, -mag, mag)
+
+
+def dequantize_uniform(codes: torch.Tensor, scales: torch.Tensor, s: float, n: int,
+                       bucket: Optional[int]) -> torch.Tensor:
+    """``scale·c/s`` per bucket for flat ``codes`` of length ``n`` (codes may be sums over workers)."""
+    mat = bucket_view(codes.to(torch.float32), bucket)
+    return (mat * (scales.to(torch.float32) / s).unsqueeze(1)).reshape(-1)[:n]
+
+
+def population_std(v: torch.Tensor) -> torch.Tensor:
+    """σ of a flat float32 vector, computed in float64 (two passes) and rounded once to float32.
+
+    Float64 makes σ the correctly rounded value on any data (a float32 pass can be an ulp off when
+    ``|mean|/σ`` is large), so the fast kernels, which sum in float64 in their own fixed order, agree
+    with it bit for bit except when the exact σ lies within float64 rounding (~1e-13 relative) of a
+    float32 rounding tie. NaN for an empty vector."""
+    v64 = v.reshape(-1).to(torch.float64)
+    return torch.sqrt(((v64 - v64.mean()) ** 2).mean()).to(torch.float32)
+
+
+def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
+    """TernGrad's Eq. 21 on a flat float32 vector: ``clamp(v, −c·σ, c·σ)`` with ``σ`` the population
+    standard deviation of ``v``. ``c=None``, an empty or one-element vector, or ``σ = 0`` return ``v``
+    unchanged."""
+    if c is None or v.numel() <= 1:
+        return v
+    sigma = population_std(v)
+    bound = c * sigma
+    # sigma == 0 (constant vector): no clipping (the TernGrad module docstring says why)
+    bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf")))
+    return torch.clamp(v, -bound, bound)
+
+
+def _check_level_matrix(mat: torch.Tensor, L: int) -> None:
+    if mat.dim() != 2 or mat.shape[1] == 0:
+        raise ValueError(f"expected a (buckets, d) matrix with d >= 1, got shape {tuple(mat.shape)}")
+    if L < 2 or (L - 1) & (L - 2):
+        raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
+
+
+def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
+    """ORQ's ``L`` levels for each row of ``mat`` (a ``(nb, d)`` float matrix): an ``(nb, L)`` float32
+    matrix with sorted rows, first column the row minimum and last the maximum (the algorithm is in
+    :mod:`gradq.quantizers.orq`'s docstring)."""
+    _check_level_matrix(mat, L)
+    nb, d = mat.shape
+    srt = mat.to(torch.float32).sort(dim=1).values
+    g64 = srt.to(torch.float64)
+    inf = torch.tensor(math.inf, dtype=torch.float32, device=mat.device)
+    lv = torch.stack([srt[:, 0], srt[:, -1]], dim=1)
+    pos = torch.arange(d, device=mat.device).expand(nb, d)
+    for _ in range(int(round(math.log2(L - 1)))):
+        m = lv.shape[1]
+        # interval of every sorted value: [lv[j], lv[j+1]); the maximum goes to the last interval
+        ids = (torch.searchsorted(lv, srt, right=True) - 1).clamp_(0, m - 2)
+        a = lv.gather(1, ids)
+        b = lv.gather(1, ids + 1)
+        left_terms = g64 - a.to(torch.float64)    # (g - a) >= 0
+        right_terms = b.to(torch.float64) - g64   # (b - g) >= 0
+        cum_l = left_terms.cumsum(dim=1)
+        cum_r = right_terms.cumsum(dim=1)
+        # first and last position of every value's segment (ids are non-decreasing along a row)
+        change = ids[:, 1:] != ids[:, :-1]
+        first = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), change], dim=1)
+        last = torch.cat([change, torch.ones_like(ids[:, :1], dtype=torch.bool)], dim=1)
+        start = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values
+        end = torch.where(last, pos, torch.full_like(pos, d - 1)).flip(1).cummin(dim=1).values.flip(1)
+        # slope on (g_p, g_{p+1}) with left set = segment positions <= p
+        left = cum_l - (cum_l - left_terms).gather(1, start)
+        right = cum_r.gather(1, end) - cum_r
+        slope = left - right
+        ok = (srt > a) & (srt < b) & (slope >= 0)
+        cand = torch.where(ok, srt, inf)
+        c = torch.full((nb, m - 1), math.inf, dtype=torch.float32, device=mat.device)
+        c = c.scatter_reduce(1, ids, cand, reduce="amin", include_self=True)
+        # halves first (no overflow), then clamp: with equal odd denormal ends 0.5a + 0.5a can leave [a, b]
+        mid = torch.minimum(torch.maximum(0.5 * lv[:, :-1] + 0.5 * lv[:, 1:], lv[:, :-1]), lv[:, 1:])
+        c = torch.where(torch.isinf(c), mid, c)
+        lv = torch.cat([torch.stack([lv[:, :-1], c], dim=2).reshape(nb, -1), lv[:, -1:]], dim=1)
+    return lv
+
+
+def linear_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
+    """Linear-L's levels per row: ``sorted[round(i·(d − 1)/(L − 1))]`` for ``i = 0 … L−1``."""
+    _check_level_matrix(mat, L)
+    d = mat.shape[1]
+    srt = mat.to(torch.float32).sort(dim=1).values
+    pos = torch.round(torch.arange(L, dtype=torch.float64, device=mat.device) * ((d - 1) / (L - 1)))
+    return srt[:, pos.to(torch.int64)]
+
+
+def round_to_levels(mat: torch.Tensor, levels: torch.Tensor, rng: RandomStream) -> torch.Tensor:
+    """Unbiased stochastic rounding of every entry of ``mat`` (``(nb, d)``) onto its row of sorted
+    ``levels`` (``(nb, L)``, covering the row's range); returns int64 level indices in ``[0, L−1]``."""
+    L = levels.shape[1]
+    x = mat.to(torch.float32).contiguous()
+    hi = torch.searchsorted(levels.contiguous(), x).clamp_(max=L - 1)
+    lo = (hi - 1).clamp_(min=0)
+    l_hi = levels.gather(1, hi)
+    l_lo = levels.gather(1, lo)
+    gap = l_hi - l_lo
+    p = torch.where(gap > 0, (x - l_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)),
+                    torch.zeros_like(gap))
+    u = rng.uniform(x.numel(), x.device).view(x.shape)
+    return torch.where(u < p, hi, lo)
+
+
+def _fold(mat: torch.Tensor) -> torch.Tensor:
+    """Fold the columns in half until one is left: column ``i + h`` is added to column ``i``
+    (``h = ⌊w/2⌋``); an odd last column moves to position ``h``."""
+    while mat.shape[1] > 1:
+        w = mat.shape[1]
+        h = w // 2
+        s = mat[:, :h] + mat[:, h:2 * h]
+        mat = torch.cat([s, mat[:, 2 * h:]], dim=1) if w % 2 else s
+    return mat[:, 0]
+
+
+def pairwise_row_sum(mat: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of ``mat`` (``(k, d)``) in a fixed pairwise order: each run of ``SUM_BLOCK``
+    (4096) consecutive entries (the last run may be shorter) is folded in half repeatedly (entry
+    ``i + h`` added to entry ``i``, an odd last entry kept), then the run sums are folded the same way.
+
+    Every float64 bucket sum of the one-bit schemes goes through here, so the order is part of the
+    result. It replaces ``torch.sum``, whose order depends on the CPU's vector width and, for a
+    single long row, on the thread count, so no kernel could reproduce it; this order the kernels
+    reproduce bit for bit. It is as accurate (error ``O(log d)`` ulps) and gives the same bits on
+    every device and thread count (it is made of elementwise additions only)."""
+    if mat.dim() != 2:
+        raise ValueError(f"expected a (rows, d) matrix, got shape {tuple(mat.shape)}")
+    k, d = mat.shape
+    if d == 0:
+        return mat.new_zeros(k)
+    if d <= SUM_BLOCK:
+        return _fold(mat)
+    q, r = divmod(d, SUM_BLOCK)
+    parts = [_fold(mat[:, :q * SUM_BLOCK].reshape(k * q, SUM_BLOCK)).view(k, q)]
+    if r:
+        parts.append(_fold(mat[:, q * SUM_BLOCK:]).unsqueeze(1))
+    return _fold(torch.cat(parts, dim=1))
+
+
+def masked_mean(mat64: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of the entries of ``mat64`` where ``mask``; ``empty`` where no entry is selected.
+    The sum runs over the whole row (``+0.0`` where the mask is off) in :func:`pairwise_row_sum`'s order."""
+    cnt = mask.sum(dim=1)
+    tot = pairwise_row_sum(torch.where(mask, mat64, torch.zeros_like(mat64)))
+    return torch.where(cnt > 0, tot / cnt.clamp(min=1), empty)
+
+
+def bingrad_pb_threshold(mat: torch.Tensor) -> torch.Tensor:
+    """BinGrad-pb's optimal ``b`` per row of ``mat`` (``(nb, d)``), as float32 (the derivation is in
+    :mod:`gradq.quantizers.binary`'s docstring)."""
+    if mat.dim() != 2 or mat.shape[1] == 0:
+        raise ValueError(f"expected a (buckets, d) matrix with d >= 1, got shape {tuple(mat.shape)}")
+    d = mat.shape[1]
+    a = mat.to(torch.float32).abs().sort(dim=1).values.to(torch.float64)   # a_1 .. a_d
+    tail = a.flip(1).cumsum(dim=1).flip(1)                                  # tail[:, k] = S_k, k < d
+    # first k in 0..d with d*a_{k+1} >= S_k (k = d always qualifies); the test is monotone in k
+    k = (d * a < tail).sum(dim=1, keepdim=True)
+    s_k = torch.cat([tail, torch.zeros_like(tail[:, :1])], dim=1).gather(1, k)
+    a_k = torch.cat([torch.zeros_like(a[:, :1]), a], dim=1).gather(1, k)
+    return torch.maximum(s_k / d, a_k).squeeze(1).to(torch.float32)
+
+
+def bingrad_b_levels(mat: torch.Tensor, iters: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BinGrad-b per row of ``mat``: ``(t, b0, b1)`` after ``iters`` Lloyd iterations (float64);
+    a value ``g`` maps to ``b1`` if ``g ≥ t`` else ``b0``."""
+    m64 = mat.to(torch.float64)
+    t = pairwise_row_sum(m64) / mat.shape[1]
+    b0 = b1 = t
+    for step in range(iters + 1):
+        if step:
+            t = 0.5 * (b0 + b1)
+        upper = m64 >= t.unsqueeze(1)
+        b0 = masked_mean(m64, ~upper, t)
+        b1 = masked_mean(m64, upper, t)
+    return t, b0, b1
+
+
+# == the kernel API ===============================================================================
+def _stream(rng: RngLike) -> RandomStream:
+    return rng if isinstance(rng, RandomStream) else RandomStream(rng)
+
+
+def _clipped(x: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
+    v = x.detach().reshape(-1)
+    return v if clip is None else torch.clamp(v, -float(clip), float(clip))
+
+
+def _into(res: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return res
+    out.view(-1).copy_(res.reshape(-1))
+    return out
+
+
+def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-bucket ``max |x|`` (of ``clamp(x, −clip, clip)`` with ``clip``), float32."""
+    return _into(bucket_norms(bucket_view(_clipped(x, clip), bucket), "max").to(torch.float32), out)
+
+
+def _codes(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], rng: RngLike,
+           clip: Optional[float]) -> torch.Tensor:
+    v = _clipped(x, clip)
+    return uniform_codes(bucket_view(v, bucket), scales.to(v.device), s, _stream(rng)).reshape(-1)[: v.numel()]
+
+
+def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
+                   rng: RngLike, clip: Optional[float] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``pack_bits(uniform_codes(bucket_view(x), scales, s, rng) + s, width)``."""
+    return _into(pack_bits(_codes(x, scales, s, bucket, rng, clip) + s, width), out)
+
+
+def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                          clip: Optional[float] = None,
+                          out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`maxabs_scales`, then :func:`uniform_encode` under them; ``(packed, scales)``."""
+    scales = maxabs_scales(x, bucket, clip)
+    return uniform_encode(x, scales, s, bucket, width, rng, clip, out), scales
+
+
+def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,
+                         clip: Optional[float] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``pack_trits(uniform_codes(..., s=1) + 1)``."""
+    return _into(pack_trits(_codes(x, scales, 1, bucket, rng, clip) + 1), out)
+
+
+def _fields(packed: torch.Tensor, width: int, n: int, max_field: Optional[int]) -> torch.Tensor:
+    if width == 0:
+        return unpack_trits(packed, n)
+    fields = unpack_bits(packed, width, n)
+    if max_field is not None and fields.numel():
+        bad = int((fields > max_field).sum())
+        if bad:
+            raise PayloadError(f"corrupt codes: {bad} fields above {max_field}")
+    return fields
+
+
+def uniform_decode_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], s: int,
+                        bucket: Optional[int], width: int, n: int, max_field: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each payload's ``float32(field − s)·(scale_b/s)``, added in list order, divided by their count
+    (``width=0``: trits)."""
+    if not packed:
+        raise ValueError("need at least one payload")
+    if len(scales) != len(packed):
+        raise ValueError(f"{len(packed)} packed payloads but {len(scales)} scale vectors")
+    total: Optional[torch.Tensor] = None
+    for p, sc in zip(packed, scales):
+        d = dequantize_uniform(_fields(p, width, n, max_field).to(sc.device) - s, sc, s, n, bucket)
+        total = d if total is None else total + d
+    assert total is not None
+    if len(packed) > 1:
+        total = total / len(packed)
+    return _into(total, out)
+
+
+def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
+                   n: int, max_field: Optional[int] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``float32(field − s)·(scale_b/s)`` for ``n`` packed ``width``-bit fields."""
+    return uniform_decode_mean([packed], [scales], s, bucket, width, n, max_field, out)
+
+
+def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(trit − 1)·scale_b``."""
+    return uniform_decode_mean([packed], [scales], 1, bucket, 0, n, None, out)
+
+
+def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                              bucket: Optional[int], n: int,
+                              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`uniform_decode_mean` for trits."""
+    return uniform_decode_mean(packed, scales, 1, bucket, 0, n, None, out)
+
+
+def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
+                   ) -> tuple[Optional[float], torch.Tensor]:
+    """TernGrad's ``(bound, scales)``: ``bound = float32(clip)·σ`` (None when ``clip`` is None,
+    ``n ≤ 1`` or ``σ = 0``: no clipping) and the per-bucket max-abs of the clipped vector."""
+    v = x.detach().reshape(-1)
+    if clip is None or v.numel() <= 1:
+        return None, maxabs_scales(v, bucket)
+    sigma = float(population_std(v))
+    bound = float(np.float32(clip) * np.float32(sigma)) if sigma > 0 else None
+    return bound, maxabs_scales(v, bucket, clip=bound)
+
+
+def _level_rows(levels: torch.Tensor, n: int, bucket: Optional[int]) -> torch.Tensor:
+    nb = num_buckets(n, bucket)
+    if levels.dim() != 2 or levels.shape[0] != nb:
+        raise ValueError(f"levels must be a ({nb}, L) float32 tensor, one row per bucket")
+    return levels.to(torch.float32)
+
+
+def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Unbiased stochastic rounding of every element onto its bucket's sorted row of ``levels``,
+    packed as ``width``-bit indices; the stream advances by ``n``."""
+    v = x.detach().reshape(-1)
+    lv = _level_rows(levels, v.numel(), bucket).to(v.device)
+    if lv.shape[1] > (1 << width):
+        raise ValueError(f"{lv.shape[1]} level indices do not fit in {width} bits")
+    st = _stream(rng)
+    idx, row = [], 0
+    for mat in bucket_chunks(v, bucket):
+        idx.append(round_to_levels(mat, lv[row:row + mat.shape[0]], st).reshape(-1))
+        row += mat.shape[0]
+    codes = torch.cat(idx) if idx else v.new_zeros(0, dtype=torch.int64)
+    return _into(pack_bits(codes, width), out)
+
+
+def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, n: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``levels[b, index]`` for ``n`` packed indices; an index ``≥ L`` raises PayloadError."""
+    lv = _level_rows(levels, n, bucket)
+    L = lv.shape[1]
+    codes = unpack_bits(packed, width, n).to(device=lv.device, dtype=torch.int64)
+    if bool((codes >= L).any()):
+        raise PayloadError(f"level index out of range [0, {L - 1}]")
+    return _into(lv.reshape(-1)[bucket_index(n, bucket, lv.device) * L + codes], out)
+
+
+def _level_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+                  make_levels, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.detach().reshape(-1).to(torch.float32)
+    if L > (1 << width):
+        raise ValueError(f"{L} level indices do not fit in {width} bits")
+    st = _stream(rng)
+    codes, levels = [], []
+    for mat in bucket_chunks(v, bucket):
+        lv = make_levels(mat, L)
+        codes.append(round_to_levels(mat, lv, st).reshape(-1))
+        levels.append(lv)
+    if not codes:
+        return _into(pack_bits(v.new_zeros(0, dtype=torch.int64), width), out), v.new_zeros(0, L)
+    return _into(pack_bits(torch.cat(codes), width), out), torch.cat(levels)
+
+
+def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORQ-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
+    return _level_encode(x, L, bucket, width, rng, orq_levels, out)
+
+
+def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
+    return _level_encode(x, L, bucket, width, rng, linear_levels, out)
+
+
+def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional[int],
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bits ``float64(x) >= thresholds[b]`` (float64, one per bucket) packed 8 per byte."""
+    v = x.detach().reshape(-1)
+    n = v.numel()
+    t = thresholds.reshape(-1).to(device=v.device, dtype=torch.float64)
+    if t.numel() != num_buckets(n, bucket):
+        raise ValueError(f"expected {num_buckets(n, bucket)} thresholds, got {t.numel()}")
+    bits = v.to(torch.float64) >= t[bucket_index(n, bucket, v.device)]
+    return _into(pack_bits(bits.to(torch.int64), 1), out)
+
+
+def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bits ``x >= 0`` (−0.0 gives 1) packed 8 per byte: the code of SignSGD and 1BitSGD."""
+    return _into(pack_bits((x.detach().reshape(-1) >= 0).to(torch.int64), 1), out)
+
+
+def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], n: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One bit per element: ``levels`` ``(nb, 2)`` gives ``levels[b, bit]``; ``(nb,)`` or ``(nb, 1)``
+    gives ``levels[b]·float32(2·bit − 1)``."""
+    lv = levels.to(torch.float32)
+    bits = unpack_bits(packed, 1, n).to(device=lv.device, dtype=torch.int64)
+    bidx = bucket_index(n, bucket, lv.device)
+    if lv.dim() == 2 and lv.shape[1] == 2:
+        return _into(lv.reshape(-1)[bidx * 2 + bits], out)
+    return _into(lv.reshape(-1)[bidx] * (2 * bits - 1).to(torch.float32), out)
+
+
+def _one_bit(x: torch.Tensor, bucket: Optional[int], chunk_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bits and flat float32 per-bucket values of a one-bit scheme, bucket chunk by chunk."""
+    v = x.detach().reshape(-1).to(torch.float32)
+    bits, vals = [], []
+    for mat in bucket_chunks(v, bucket):
+        b, lv = chunk_fn(mat)
+        bits.append(b.reshape(-1))
+        vals.append(lv.to(torch.float32).reshape(-1))
+    if not bits:
+        return pack_bits(v.new_zeros(0, dtype=torch.int64), 1), v.new_zeros(0)
+    return pack_bits(torch.cat(bits).to(torch.int64), 1), torch.cat(vals)
+
+
+def _by_threshold(mat: torch.Tensor, t: torch.Tensor, lv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return mat.to(torch.float64) >= t.unsqueeze(1), lv
+
+
+def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled SignSGD: ``(bits x ≥ 0 packed, float32 mean |x| per bucket)``."""
+    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = (pairwise_row_sum(mat.to(torch.float64).abs()) / mat.shape[1]).unsqueeze(1)
+        return _by_threshold(mat, scale.new_zeros(mat.shape[0]), scale)
+    return _one_bit(x, bucket, chunk)
+
+
+def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1BitSGD: ``(bits x ≥ 0 packed, float32 (mean{x < 0}, mean{x ≥ 0}) per bucket, flattened)``."""
+    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m64 = mat.to(torch.float64)
+        upper = mat >= 0
+        zero = m64.new_zeros(mat.shape[0])
+        lv = torch.stack([masked_mean(m64, ~upper, zero), masked_mean(m64, upper, zero)], dim=1)
+        return _by_threshold(mat, zero, lv)
+    return _one_bit(x, bucket, chunk)
+
+
+def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int],
+                     iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """BinGrad-b: ``(bits float64(x) ≥ t packed, float32 (b0, b1) per bucket, flattened)``."""
+    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, b0, b1 = bingrad_b_levels(mat, iters)
+        return _by_threshold(mat, t, torch.stack([b0, b1], dim=1))
+    return _one_bit(x, bucket, chunk)
+
+
+def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int],
+                      rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """BinGrad-pb: ``(packed bits, float32 b per bucket)``; bit ``u < (x + b)/(2b)`` (all ones in a
+    bucket with ``b = 0``), ``u`` the uniforms of ``rng`` (advanced by ``n``)."""
+    st = _stream(rng)
+
+    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = bingrad_pb_threshold(mat).unsqueeze(1)
+        safe = torch.where(b > 0, b, torch.ones_like(b))
+        p_up = ((mat + b) / (2 * safe)).clamp(0.0, 1.0)   # 1 above +b, 0 below -b: the clip
+        p_up = torch.where(b > 0, p_up, torch.ones_like(p_up))   # b = 0: decode +0, not -0
+        u = st.uniform(mat.numel(), mat.device).view(mat.shape)
+        return u < p_up, b
+    return _one_bit(x, bucket, chunk)
