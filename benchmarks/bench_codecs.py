@@ -30,6 +30,16 @@ page-faulted in on first touch, which costs about as much as the decode itself h
 fixed-width schemes and for the Elias- and ANS-coded QSGD (``--no-api`` skips it). Medians of ``--repeats`` runs (``--ref-repeats`` for the slow references). Run:
 
     python benchmarks/bench_codecs.py [--n 25000000] [--repeats 7] [--ref-repeats 3] [--compile] [--no-api]
+    python benchmarks/bench_codecs.py --memory [--device cuda] [--n 25000000] [--repeats 7]
+
+``--memory`` prints, for every scheme of the quantizer API (the default backend of the device:
+numba on the CPU, Triton on CUDA), the encode and ``decode(out=)`` times as ratios to a device copy
+timed in the same run (CUDA events on a GPU), and the peak extra memory of each call: on CUDA
+``torch.cuda.max_memory_allocated`` above what was allocated before the call, on the CPU the growth
+of the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each
+call). The encode's peak is given as a multiple of the payload's bytes, the decode's as a multiple
+of the input's bytes (0 = no input-sized temporary). On CUDA the bytes of every scheme are first
+checked against the CPU reference on the first million values.
 
 ``--compile`` adds the tool comparison for 4-bit QSGD encode: the same math written as one torch
 function (eager) and that function under ``torch.compile`` (inductor, CPU), with compile time reported
@@ -266,6 +276,91 @@ def api_table(x: torch.Tensor, dst: torch.Tensor, repeats: int, copy_gbs: float)
               f"{g[2]:.2f} | {g[2] / copy_gbs:.2f} | {p.bits_per_coordinate:.3f} |", flush=True)
 
 
+# ---- peak memory and device timing (--memory) ----------------------------------------------------
+MEMORY_SPECS = ["qsgd:bits=2,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512",
+                "qsgd:bits=4,bucket=512,norm=l2", "terngrad", "terngrad:pack=2bit", "maxnorm:bits=4",
+                "multiscale:bits=2+6", "orq:levels=5", "orq:levels=9", "linear:levels=5", "signsgd",
+                "onebit:ef=0", "bingrad-b", "bingrad-pb", "qsgd:bits=4,coding=elias"]
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def peak_extra(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
+    """``(fn(), peak bytes allocated above the level before the call)``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        res = fn()
+        torch.cuda.synchronize()
+        return res, torch.cuda.max_memory_allocated() - base
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system, so reuse shows as growth
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (the peak RSS) to the current RSS
+        f.write("5")
+    base = _proc_status("VmRSS")
+    res = fn()
+    return res, _proc_status("VmHWM") - base
+
+
+def device_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up (CUDA events on a GPU)."""
+    fn()
+    if device.type != "cuda":
+        return median_time(fn, repeats)[1]
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def memory_table(n: int, repeats: int, device: torch.device) -> None:
+    """Encode / decode(out=) ÷ a device copy, and their peak extra memory, per scheme."""
+    import gradq
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    dst = torch.empty_like(x)
+    dst.fill_(0.0)  # touched, as a hook's bucket is
+    t_copy = device_time(lambda: dst.copy_(x), repeats, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n### Encode and decode on {device.type} ({name}), n = {n:,} float32, backend "
+          f"{K.backend_for(x)}\n")
+    print(f"device copy dst.copy_(x): {t_copy * 1e3:.3f} ms ({8 * n / t_copy / 1e9:.1f} GB/s read + written)\n")
+    print("| spec | encode ms | × copy | decode(out=) ms | × copy | encode peak extra ÷ payload bytes "
+          "| decode(out=) peak extra ÷ input bytes | bits/coord |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for spec in MEMORY_SPECS:
+        q = gradq.build(spec)
+        if device.type == "cuda":  # the device's bytes are the CPU reference's
+            head = x[: min(n, 1 << 20)]
+            was = K.get_backend()
+            K.set_backend("torch")
+            try:
+                ref = q.encode(head.cpu(), seed=SEED)
+            finally:
+                K.set_backend(was)
+            assert q.encode(head, seed=SEED).same_bytes(ref), f"{spec}: CUDA bytes differ from the CPU reference"
+        q.encode(x, seed=SEED)
+        p, enc_peak = peak_extra(lambda: q.encode(x, seed=SEED), device)
+        _, dec_peak = peak_extra(lambda: q.decode(p, out=dst), device)
+        te = device_time(lambda: q.encode(x, seed=SEED), repeats, device)
+        td = device_time(lambda: q.decode(p, out=dst), repeats, device)
+        print(f"| {spec} | {te * 1e3:.2f} | {t_copy / te:.3f} | {td * 1e3:.2f} | {t_copy / td:.3f} | "
+              f"{enc_peak / p.nbytes:.2f} | {dec_peak / (4 * n):.2f} | {p.bits_per_coordinate:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=25_000_000, help="number of fp32 values")
@@ -276,7 +371,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0,
                     help="also time the target kernels (QSGD/MaxNorm 2/4/8, TernGrad) in this many rounds, each "
                          "round timing the copy right before the kernel; prints the median of per-round ratios")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the table of encode/decode ratios and peak memory per scheme (see the docstring)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda, for --memory")
     args = ap.parse_args()
+    if args.memory or args.device != "cpu":
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no GPU here")
+        memory_table(args.n, args.repeats, device)
+        return
     if not K.available():
         raise SystemExit("gradq.kernels is not available (numba missing or GRADQ_KERNELS=0)")
     import numba

@@ -161,8 +161,11 @@ def backend_for(t: torch.Tensor) -> str:
     dev = t.device.type
     if _MODE == "torch":
         return "torch"
-    if _MODE == "triton" and triton_available() and (dev == "cuda" or _triton().INTERPRETED):
-        return "triton"  # (CPU tensors only under the interpreter, on machines without a GPU)
+    if _MODE == "triton":
+        if not triton_available():
+            raise RuntimeError(f"GRADQ_KERNELS=triton, but triton failed to import: {_TRITON_ERROR!r}")
+        if dev == "cuda" or _triton().INTERPRETED:
+            return "triton"  # (CPU tensors only under the interpreter, on machines without a GPU)
     if dev == "cpu":
         return "numba" if _MODE in ("auto", "numba") and numba_ops.loads() else "torch"
     if dev == "cuda" and _MODE == "auto" and triton_available():

@@ -50,7 +50,10 @@ def _cpu():
     if _MOD is None:
         from .numba_ops import _cpu as _load_base
         _load_base()   # raises a clear error when numba is missing
-        from . import cpu_binary
+        from .numba_cache import keyed_cache
+
+        with keyed_cache():
+            from . import cpu_binary
         _MOD = cpu_binary
     return _MOD
 

@@ -19,9 +19,8 @@ every random number is a pure function of its counter, so the bytes are identica
 threads. A bucket that straddles a chunk boundary has its max-abs recomputed by both chunks (same
 value; only the chunk holding the bucket's first element writes it).
 
-The module is one file on purpose: numba's on-disk cache (``cache=True``) is invalidated by the
-timestamp of the file that defines a kernel, not of the helpers it inlines, so helpers kept in
-another module could leave stale machine code behind after an edit.
+Compiled code is cached on disk in a directory keyed by a hash of this file and the modules that
+inline its helpers (:mod:`gradq.kernels.numba_cache`), so an edit of any of them starts afresh.
 """
 
 from __future__ import annotations

@@ -64,7 +64,10 @@ def _mod():
     global _MOD
     if _MOD is None:
         _cpu()
-        from . import cpu_levels
+        from .numba_cache import keyed_cache
+
+        with keyed_cache():
+            from . import cpu_levels
         _MOD = cpu_levels
     return _MOD
 

@@ -44,7 +44,10 @@ def _load():
     global _CPU, _IMPORT_ERROR
     if _CPU is None and _IMPORT_ERROR is None:
         try:
-            from . import cpu as _mod
+            from .numba_cache import keyed_cache
+
+            with keyed_cache():
+                from . import cpu as _mod
             _CPU = _mod
         except Exception as exc:  # numba missing or broken: the torch paths remain
             _IMPORT_ERROR = exc

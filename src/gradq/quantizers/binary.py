@@ -79,10 +79,16 @@ class _OneBit(Quantizer):
         codes, vals = self._encode_bits(v, ctx)
         return {"codes": codes, "levels": vals}
 
-    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+    def _levels(self, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
         levels = fields["levels"].to(torch.float32)
-        lv = levels.view(-1, 2) if self.per_bucket == 2 else levels
-        return kernels.bit_decode(fields["codes"], lv, self.bucket, numel)
+        return levels.view(-1, 2) if self.per_bucket == 2 else levels
+
+    def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        return kernels.bit_decode(fields["codes"], self._levels(fields), self.bucket, numel)
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        kernels.bit_decode(fields["codes"], self._levels(fields), self.bucket, numel, out=out)
+        return True
 
 
 @register("bingrad-pb")

@@ -83,6 +83,11 @@ class _LevelQuantizer(Quantizer):
         lv = fields["levels"].to(torch.float32).view(-1, self.levels)
         return kernels.levels_decode(fields["codes"], lv, self.bucket, self.width, numel)
 
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        lv = fields["levels"].to(torch.float32).view(-1, self.levels)
+        kernels.levels_decode(fields["codes"], lv, self.bucket, self.width, numel, out=out)
+        return True
+
 
 @register("orq")
 class ORQ(_LevelQuantizer):

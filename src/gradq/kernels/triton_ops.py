@@ -1,0 +1,701 @@
+"""The Triton backend of :mod:`gradq.kernels`: fused quantize+pack and unpack+dequantize on GPU tensors.
+
+Every function has the signature and the result of its namesake in :mod:`gradq.kernels.reference`:
+the same bytes and the same floats for the same seed. :func:`gradq.kernels.backend_for` sends CUDA
+tensors here when triton imports. On a machine without a GPU the kernels run under Triton's
+interpreter (NumPy on CPU tensors) when ``GRADQ_KERNELS=triton`` asks for it. That mode is slow and
+exists so that the suite can check every kernel against the reference without a GPU.
+
+How the kernels reproduce the reference:
+
+* **Randomness.** Element ``i`` hashes its counter ``offset + i`` with :mod:`gradq.random`'s
+  ``lowbias32`` mixer in wrapping uint32 arithmetic, exactly as the reference's int32 code and the
+  numba kernels do.
+* **Float operations.** They run in the reference's order, in float32. Divisions are correctly
+  rounded (``div_rn``), and launches pass ``enable_fp_fusion=False`` so that no multiply-add is
+  contracted into an FMA (which would round once instead of twice).
+* **Packing.** Eight ``w``-bit fields form ``w`` bytes of one little-endian int64 word, as in
+  :mod:`gradq.codecs.bitpack`; trits go five to a byte. A program owns whole groups, so no two
+  programs write one byte.
+* **Encodes.**
+  - QSGD with the max norm and a power-of-two bucket of 8 to 4096 values is fused into one pass:
+    each program reads its buckets once, and writes their scales and bytes.
+  - Other buckets take two passes: max-abs, then codes.
+  - TernGrad's σ and the level construction of ORQ, Linear and the one-bit schemes run in torch on
+    the device, in the reference's code. Their rounding and packing run here.
+
+Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
+the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
+count per call, and TernGrad's clip bound is a host float.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+#: True when no GPU is present: the kernels run under Triton's interpreter (for tests). The
+#: interpreter is switched on for the process before triton is first imported (triton's own
+#: library functions are built for one mode at import).
+INTERPRETED = not torch.cuda.is_available()
+if INTERPRETED:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ImportError("triton was imported before gradq's Triton backend on a machine without a GPU: set "
+                          "TRITON_INTERPRET=1 before importing triton to run its kernels under the interpreter")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ..errors import PayloadError  # noqa: E402
+from . import reference  # noqa: E402
+from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _width  # noqa: E402
+
+_jit = triton.jit
+
+_GROUPS = 128          # groups of 8 fields (or 5 trits) per program
+_FUSED_MAX = 4096      # largest power-of-two bucket the one-pass QSGD encode handles
+_ROWS = 64             # buckets per program (at most) in the max-abs pass
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    if not INTERPRETED:
+        meta["enable_fp_fusion"] = False  # the reference rounds every product and sum on its own
+    kernel[grid](*args, **meta)
+
+
+# == device helpers ===============================================================================
+@_jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@_jit
+def _uniform(ctr, k1, k2):
+    """Uniform float32 in [0, 1) of the int64 counters ``ctr`` (24 random bits each)."""
+    lo = (ctr & 0xFFFFFFFF).to(tl.uint32)
+    hi = (ctr >> 32).to(tl.uint32)
+    x = lo * tl.full((), 0x9E3779B9, tl.uint32) + k1.to(tl.uint32)
+    h = _mix32(_mix32(x) ^ k2.to(tl.uint32) ^ hi)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@_jit
+def _field(v, scale, s, clip, u):
+    """``s ± min(floor(|v|·r + u), s)`` with ``r = float32(1/scale)·s`` (a zero scale reads as 1)."""
+    v = tl.where(v > clip, clip, v)
+    v = tl.where(v < -clip, -clip, v)
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    sf = s.to(tl.float32)
+    r = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe) * sf
+    av = tl.abs(v)
+    a = av * r
+    a = tl.where(av > 0.0, a, 0.0)  # 0·inf would be NaN for a denormal scale
+    t = a + u
+    t = tl.where(t > sf, sf, t)
+    mag = t.to(tl.int32)
+    return tl.where(v < 0.0, s - mag, s + mag)
+
+
+@_jit
+def _store_groups(out_ptr, fields, grp, valid_bytes, W: tl.constexpr):
+    """Pack ``fields`` (``[G, 8]`` int32, values < 2**W) of groups ``grp`` into W bytes per group."""
+    k = tl.arange(0, 8)
+    word = tl.sum(fields.to(tl.int64) << (k[None, :] * W).to(tl.int64), axis=1)
+    for b in tl.static_range(W):
+        byte = grp * W + b
+        tl.store(out_ptr + byte, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=byte < valid_bytes)
+
+
+@_jit
+def _store_trits(out_ptr, fields, grp, valid_bytes):
+    """Pack ``fields`` (``[G, 8]``, the first 5 columns trits) five per byte."""
+    k = tl.arange(0, 8)
+    pw = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27,
+                  tl.where(k == 4, 81, 0)))))
+    byte = tl.sum(fields * pw[None, :], axis=1)
+    tl.store(out_ptr + grp, byte.to(tl.uint8), mask=grp < valid_bytes)
+
+
+@_jit
+def _load_groups(data_ptr, grp, valid_bytes, W: tl.constexpr):
+    """The ``[G, 8]`` fields of W-bit groups ``grp`` (bytes past ``valid_bytes`` read as zero)."""
+    k = tl.arange(0, 8)
+    word = tl.zeros(grp.shape, tl.int64)
+    for b in tl.static_range(W):
+        byte = grp * W + b
+        word = word | (tl.load(data_ptr + byte, mask=byte < valid_bytes, other=0).to(tl.int64) << (8 * b))
+    return ((word[:, None] >> (k[None, :] * W).to(tl.int64)) & ((1 << W) - 1)).to(tl.int32)
+
+
+@_jit
+def _load_trits(data_ptr, grp, valid_bytes):
+    """The ``[G, 8]`` trits of bytes ``grp`` (columns 5..7 zero) and, per byte, whether it is > 242."""
+    k = tl.arange(0, 8)
+    b = tl.load(data_ptr + grp, mask=grp < valid_bytes, other=0).to(tl.int32)
+    pw = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27,
+                  tl.where(k == 4, 81, 243)))))
+    t = (b[:, None] // pw[None, :]) % 3
+    t = tl.where(k[None, :] < 5, t, 0)
+    return t, b > 242
+
+
+# == kernels ======================================================================================
+@_jit
+def _maxabs_bits_kernel(x_ptr, bits_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Per bucket, the largest ``|x|`` bit pattern (for non-NaN floats the integer order of the
+    magnitude bits is the order of ``|x|``; NaN ranks above inf, as in the numba kernel), over a
+    ``(rows, column chunk)`` grid merged by an atomic max (order-free, so deterministic)."""
+    pid = tl.program_id(0).to(tl.int64)  # one axis (CUDA limits the others to 65535 programs)
+    rows = (pid // ncol) * ROWS + tl.arange(0, ROWS)
+    c = (pid % ncol) * COLS + tl.arange(0, COLS)
+    idx = rows[:, None].to(tl.int64) * bucket + c[None, :]
+    ok = (rows[:, None] < nb) & (c[None, :] < bucket) & (idx < n)
+    bits = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(bits_ptr + rows, tl.max(bits, axis=1), mask=rows < nb)
+
+
+@_jit
+def _moment_kernel(x_ptr, shift_ptr, part_ptr, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    """Per block of BLOCK values: ``Σ x`` (or ``Σ (x − shift)²``, ``shift`` a float64 on the
+    device) in float64, into ``part_ptr[block]``; the host never sees the mean."""
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float64)
+    if SQUARE:
+        d = tl.where(ok, x - tl.load(shift_ptr), 0.0)
+        x = d * d
+    tl.store(part_ptr + pid, tl.sum(x, axis=0))
+
+
+@_jit
+def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, bucket, s, clip, k1, k2, ctr0,
+                           W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr):
+    """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits)."""
+    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    per = 5 if TRITS else 8
+    idx = grp[:, None] * per + k[None, :]
+    ok = (idx < n) & (k[None, :] < per)
+    v = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    scale = tl.load(scales_ptr + idx // bucket, mask=ok, other=1.0)
+    f = _field(v, scale, s, clip, _uniform(ctr0 + idx, k1, k2))
+    f = tl.where(ok, f, 0)
+    if TRITS:
+        _store_trits(out_ptr, f, grp, nbytes)
+    else:
+        _store_groups(out_ptr, f, grp, nbytes, W)
+
+
+@_jit
+def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, clip, k1, k2, ctr0,
+                                  W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr):
+    """QSGD in one pass: R whole buckets of BUCKET (a power of two, a multiple of 8) values per
+    program — their max-abs, then their fields, packed."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    cols = tl.arange(0, BUCKET)
+    idx = rows[:, None] * BUCKET + cols[None, :]
+    ok = idx < n
+    v = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    sc = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+    sc = tl.where(sc < clip, sc, clip)
+    tl.store(scales_ptr + rows, sc, mask=rows < nb)
+    f = _field(v, sc[:, None], s, clip, _uniform(ctr0 + idx, k1, k2))
+    f = tl.where(ok, f, 0)
+    f = tl.reshape(f, (R * BUCKET // 8, 8))
+    grp = tl.program_id(0).to(tl.int64) * (R * BUCKET // 8) + tl.arange(0, R * BUCKET // 8)
+    _store_groups(out_ptr, f, grp, nbytes, W)
+
+
+@_jit
+def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, nbytes, nb, bucket, s,
+                           max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr):
+    """``out = (((d_0 + d_1) + …) / M``, ``d_j = float32(field − s)·(scale_jb / s)``, and the
+    number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``."""
+    pid = tl.program_id(0)
+    grp = pid.to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    per = 5 if TRITS else 8
+    idx = grp[:, None] * per + k[None, :]
+    ok = (idx < n) & (k[None, :] < per)
+    b = tl.where(ok, idx // bucket, 0)
+    sf = s.to(tl.float32)
+    acc = tl.zeros((G, 8), tl.float32)
+    nbad = tl.zeros((G,), tl.int32)
+    for j in tl.static_range(M):
+        data = base_ptr + tl.load(offs_ptr + j)
+        if TRITS:
+            f, over = _load_trits(data, grp, nbytes)
+            nbad += over.to(tl.int32)
+        else:
+            f = _load_groups(data, grp, nbytes, W)
+            nbad += tl.sum((ok & (f > max_field)).to(tl.int32), axis=1)
+        mult = tl.math.div_rn(tl.load(scales_ptr + j * nb + b, mask=ok, other=0.0), tl.full(b.shape, 1.0, tl.float32) * sf)
+        d = (f - s).to(tl.float32) * mult
+        if j == 0:
+            acc = d
+        else:
+            acc = acc + d
+    if M > 1:
+        acc = tl.math.div_rn(acc, tl.full(acc.shape, M, tl.float32))
+    tl.store(out_ptr + idx, acc, mask=ok)
+    tl.store(bad_ptr + pid, tl.sum(nbad, axis=0))
+
+
+@_jit
+def _levels_encode_kernel(x_ptr, levels_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0,
+                          L: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
+    """Stochastic rounding onto each bucket's sorted row of L levels: ``hi`` = the number of levels
+    below x (torch.searchsorted on a sorted row), ``p = (x − l_lo)/(l_hi − l_lo)``, ``hi if u < p``."""
+    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    row = tl.where(ok, idx // bucket, 0) * L
+    hi = tl.zeros(idx.shape, tl.int32)
+    for j in tl.static_range(L):
+        hi += (tl.load(levels_ptr + row + j, mask=ok, other=0.0) < x).to(tl.int32)
+    hi = tl.minimum(hi, L - 1)
+    lo = tl.maximum(hi - 1, 0)
+    l_hi = tl.load(levels_ptr + row + hi, mask=ok, other=0.0)
+    l_lo = tl.load(levels_ptr + row + lo, mask=ok, other=0.0)
+    gap = l_hi - l_lo
+    p = tl.where(gap > 0.0, tl.math.div_rn(x - l_lo, tl.where(gap > 0.0, gap, 1.0)), 0.0)
+    u = _uniform(ctr0 + idx, k1, k2)
+    f = tl.where(u < p, hi, lo)
+    _store_groups(out_ptr, tl.where(ok, f, 0), grp, nbytes, W)
+
+
+@_jit
+def _levels_decode_kernel(data_ptr, levels_ptr, out_ptr, bad_ptr, n, nbytes, bucket, L,
+                          W: tl.constexpr, G: tl.constexpr):
+    pid = tl.program_id(0)
+    grp = pid.to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    f = _load_groups(data_ptr, grp, nbytes, W)
+    over = ok & (f >= L)
+    f = tl.where(over, 0, f)
+    v = tl.load(levels_ptr + tl.where(ok, idx // bucket, 0) * L + f, mask=ok, other=0.0)
+    tl.store(out_ptr + idx, v, mask=ok)
+    tl.store(bad_ptr + pid, tl.sum(tl.sum(over.to(tl.int32), axis=1), axis=0))
+
+
+@_jit
+def _threshold_kernel(x_ptr, t_ptr, out_ptr, n, nbytes, bucket, G: tl.constexpr):
+    """Bits ``float64(x) >= t[bucket]`` packed 8 per byte (bit i of byte g = element 8g + i)."""
+    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float64)
+    t = tl.load(t_ptr + tl.where(ok, idx // bucket, 0), mask=ok, other=0.0)
+    _store_groups(out_ptr, tl.where(ok & (x >= t), 1, 0), grp, nbytes, 1)
+
+
+@_jit
+def _pb_bits_kernel(x_ptr, b_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0, G: tl.constexpr):
+    """BinGrad-pb's bits ``u < clamp((x + b)/(2·b), 0, 1)`` (1 where ``b = 0``)."""
+    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    b = tl.load(b_ptr + tl.where(ok, idx // bucket, 0), mask=ok, other=1.0)
+    safe = tl.where(b > 0.0, b, 1.0)
+    p = tl.math.div_rn(x + b, 2.0 * safe)
+    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
+    p = tl.where(b > 0.0, p, 1.0)
+    u = _uniform(ctr0 + idx, k1, k2)
+    _store_groups(out_ptr, tl.where(ok & (u < p), 1, 0), grp, nbytes, 1)
+
+
+@_jit
+def _bit_decode_kernel(data_ptr, levels_ptr, out_ptr, n, nbytes, bucket, PER: tl.constexpr, G: tl.constexpr):
+    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    bit = _load_groups(data_ptr, grp, nbytes, 1)
+    b = tl.where(ok, idx // bucket, 0)
+    if PER == 2:
+        v = tl.load(levels_ptr + 2 * b + bit, mask=ok, other=0.0)
+    else:
+        v = tl.load(levels_ptr + b, mask=ok, other=0.0) * (2 * bit - 1).to(tl.float32)
+    tl.store(out_ptr + idx, v, mask=ok)
+
+
+# == argument handling ============================================================================
+def _flat(x: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+    return x.detach().reshape(-1).contiguous()
+
+
+def _out(out: Optional[torch.Tensor], size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(size, dtype=dtype, device=device)
+    if out.dtype != dtype or out.device != device or out.numel() != size or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {size} elements on {device}")
+    return out  # (the kernels index it flat)
+
+
+def _vector(t: torch.Tensor, size: int, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    v = _flat(t, name, dtype).to(device)
+    if v.numel() != size:
+        raise ValueError(f"expected {size} {name} (one per bucket), got {v.numel()}")
+    return v
+
+
+def _payload(data: torch.Tensor, need: int, what: str) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        raise PayloadError(f"packed {what} must be a uint8 tensor")
+    if data.numel() != need:
+        raise PayloadError(f"packed {what} need {need} bytes, got {data.numel()}")
+    return data.reshape(-1).contiguous()
+
+
+def _grid(units: int, per: int) -> tuple[int]:
+    return (max(1, -(-units // per)),)
+
+
+# == the kernel API ===============================================================================
+def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-bucket ``max |x|`` (of ``clamp(x, −clip, clip)`` with ``clip``), float32."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    res = _out(out, nb, torch.float32, xv.device)
+    if n:
+        bits = torch.zeros(nb, dtype=torch.int32, device=xv.device)
+        cols = min(1024, triton.next_power_of_2(d))
+        rows = max(1, min(_ROWS, 4096 // cols))
+        ncol = -(-d // cols)
+        _launch(_maxabs_bits_kernel, (-(-nb // rows) * ncol,), xv, bits, n, d, nb, ncol, ROWS=rows, COLS=cols)
+        m = bits.view(torch.float32)
+        c = float(_clip(clip))
+        torch.where(m < c, m, torch.full_like(m, c), out=res.view(-1))  # (NaN < c is false: a NaN bucket reads c)
+    return res
+
+
+def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    trits = width == 0
+    nbytes = (n + 4) // 5 if trits else (n * width + 7) // 8
+    packed = _out(out, nbytes, torch.uint8, xv.device)
+    k1, k2, ctr0 = _stream(rng, nb * d)
+    c = float(_clip(clip))
+    if fused and 8 <= d <= _FUSED_MAX and d & (d - 1) == 0 and not trits:
+        sc = torch.empty(nb, dtype=torch.float32, device=xv.device)
+        if n:
+            r = max(1, 1024 // d)
+            _launch(_maxabs_uniform_encode_kernel, _grid(nb, r), xv, sc, packed, n, nbytes, nb, s, c, k1, k2, ctr0,
+                    W=width, BUCKET=d, R=r)
+        return packed, sc
+    sc = maxabs_scales(x, bucket, clip) if fused else _vector(scales, nb, "scales", torch.float32, xv.device)
+    if n:
+        per = 5 if trits else 8
+        _launch(_uniform_encode_kernel, _grid(-(-n // per), _GROUPS), xv, sc, packed, n, nbytes, d, s, c, k1, k2,
+                ctr0, W=max(width, 1), TRITS=trits, G=_GROUPS)
+    return packed, sc
+
+
+def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
+                   rng: RngLike, clip: Optional[float] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_encode`."""
+    return _encode(x, scales, _levels_s(s, _width(width)), bucket, width, rng, clip, out, False)[0]
+
+
+def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                          clip: Optional[float] = None,
+                          out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.maxabs_uniform_encode` (one pass for power-of-two buckets)."""
+    return _encode(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, True)
+
+
+def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,
+                         clip: Optional[float] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_encode_trits`."""
+    return _encode(x, scales, 1, bucket, 0, rng, clip, out, False)[0]
+
+
+def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uint8 base tensor and the int64 offset of each payload's bytes from it: the storage they
+    share (a received buffer: no copy), or else their concatenation."""
+    for t in packed:
+        _payload(t, nbytes, what)
+    st = packed[0].untyped_storage()
+    dev = packed[0].device
+    if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
+        base = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
+        return base, torch.tensor([t.storage_offset() for t in packed], dtype=torch.int64, device=dev)
+    base = torch.cat([t.reshape(-1) for t in packed])
+    return base, torch.arange(len(packed), dtype=torch.int64, device=dev) * nbytes
+
+
+def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not packed:
+        raise ValueError("need at least one payload")
+    if len(scales) != len(packed):
+        raise ValueError(f"{len(packed)} packed payloads but {len(scales)} scale vectors")
+    trits = width == 0
+    nbytes = (n + 4) // 5 if trits else (n * width + 7) // 8
+    base, offs = _rows(packed, nbytes, "trits" if trits else f"{width}-bit codes")
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    dev = base.device
+    sv = torch.stack([_vector(sc, nb, f"scales[{k}]", torch.float32, dev) for k, sc in enumerate(scales)])
+    res = _out(out, n, torch.float32, dev)
+    if n:
+        per = 5 if trits else 8
+        grid = _grid(-(-n // per), _GROUPS)
+        bad = torch.zeros(grid[0], dtype=torch.int32, device=dev)
+        _launch(_uniform_decode_kernel, grid, base, offs, sv, res, bad, n, nbytes, nb, d, s,
+                255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_GROUPS)
+        if trits or max_field is not None:  # (a host read: only where a code can be invalid)
+            nbad = int(bad.sum())
+            if nbad:
+                what = "bytes above 242 (3**5 - 1)" if trits else f"fields above {max_field}"
+                raise PayloadError(f"corrupt codes: {nbad} {what}")
+    return res
+
+
+def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
+                   n: int, max_field: Optional[int] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_decode`."""
+    return _decode_mean([packed], [scales], _levels_s(s, None), bucket, _width(width), n, out, max_field)
+
+
+def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_decode_trits`."""
+    return _decode_mean([packed], [scales], 1, bucket, 0, n, out, None)
+
+
+def uniform_decode_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], s: int,
+                        bucket: Optional[int], width: int, n: int, max_field: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_decode_mean`, in one pass over the M payloads."""
+    return _decode_mean(packed, scales, _levels_s(s, None), bucket, _width(width), n, out, max_field)
+
+
+def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                              bucket: Optional[int], n: int,
+                              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.uniform_decode_trits_mean`."""
+    return _decode_mean(packed, scales, 1, bucket, 0, n, out, None)
+
+
+# -- TernGrad's statistics -------------------------------------------------------------------------
+_MOMENT_BLOCK = 4096
+
+
+def population_std(x: torch.Tensor) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.population_std`: two float64 passes over blocks (Σx, then
+    Σ(x − mean)²) with no input-sized temporary, the block sums added by torch on the device; equal
+    to the reference's float32 σ except when the exact σ lies within float64 rounding (~1e-13
+    relative) of a float32 rounding tie."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    if n == 0:
+        return torch.tensor(float("nan"), device=xv.device)
+    grid = _grid(n, _MOMENT_BLOCK)
+    part = torch.empty(grid[0], dtype=torch.float64, device=xv.device)
+    _launch(_moment_kernel, grid, xv, part, part, n, SQUARE=False, BLOCK=_MOMENT_BLOCK)
+    mean = part.sum().div_(n).reshape(1)
+    _launch(_moment_kernel, grid, xv, mean, part, n, SQUARE=True, BLOCK=_MOMENT_BLOCK)
+    return part.sum().div_(n).sqrt_().to(torch.float32)
+
+
+def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
+                   ) -> tuple[Optional[float], torch.Tensor]:
+    """As :func:`gradq.kernels.reference.terngrad_stats` (σ by :func:`population_std`, then the
+    clipped max-abs, which is ``min(max |x|, bound)`` per bucket). The bound is a host float."""
+    xv = _flat(x, "x", torch.float32)
+    if clip is None or xv.numel() <= 1:
+        return None, maxabs_scales(xv, bucket)
+    sigma = float(population_std(xv))
+    bound = float(np.float32(clip) * np.float32(sigma)) if sigma > 0 else None
+    return bound, maxabs_scales(xv, bucket, clip=bound)
+
+
+# -- ORQ / Linear --------------------------------------------------------------------------------
+def _level_matrix(levels: torch.Tensor, nb: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    if not isinstance(levels, torch.Tensor) or levels.dim() != 2 or levels.shape[0] != nb:
+        raise ValueError(f"levels must be a ({nb}, L) float32 tensor, one row per bucket")
+    L = int(levels.shape[1])
+    if not 2 <= L <= 256:
+        raise ValueError(f"the number of levels must be in [2, 256], got {L}")
+    return _flat(levels, "levels", torch.float32).to(device), L
+
+
+def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.levels_encode`."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    lv, L = _level_matrix(levels, _nbuckets(n, d), xv.device)
+    if L > (1 << _width(width)):
+        raise ValueError(f"{L} level indices do not fit in {width} bits")
+    nbytes = (n * width + 7) // 8
+    packed = _out(out, nbytes, torch.uint8, xv.device)
+    k1, k2, ctr0 = _stream(rng, n)
+    if n:
+        _launch(_levels_encode_kernel, _grid(-(-n // 8), _GROUPS), xv, lv, packed, n, nbytes, d, k1, k2, ctr0,
+                L=L, W=width, G=_GROUPS)
+    return packed
+
+
+def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, n: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.levels_decode`."""
+    nbytes = (n * _width(width) + 7) // 8
+    data = _payload(packed, nbytes, f"{width}-bit indices")
+    d = _bucket(n, bucket)
+    lv, L = _level_matrix(levels, _nbuckets(n, d), data.device)
+    res = _out(out, n, torch.float32, data.device)
+    if n:
+        grid = _grid(-(-n // 8), _GROUPS)
+        bad = torch.zeros(grid[0], dtype=torch.int32, device=data.device)
+        _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_GROUPS)
+        if int(bad.sum()):
+            raise PayloadError(f"level index out of range [0, {L - 1}]")
+    return res
+
+
+def _level_encode(x, L, bucket, width, rng, make_levels, out):
+    xv = _flat(x, "x", torch.float32)
+    chunks = list(reference.bucket_chunks(xv, bucket))
+    levels = torch.cat([make_levels(m, L) for m in chunks]) if chunks else xv.new_zeros(0, L)
+    return levels_encode(xv, levels, bucket, width, rng, out), levels
+
+
+def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.orq_encode`: levels in torch, rounding and packing here."""
+    return _level_encode(x, L, bucket, width, rng, reference.orq_levels, out)
+
+
+def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
+                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.linear_encode`: levels in torch, rounding and packing here."""
+    return _level_encode(x, L, bucket, width, rng, reference.linear_levels, out)
+
+
+# -- one bit per element -------------------------------------------------------------------------
+def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional[int],
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.threshold_encode`."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    t = _vector(thresholds, _nbuckets(n, d), "thresholds", torch.float64, xv.device)
+    nbytes = (n + 7) // 8
+    packed = _out(out, nbytes, torch.uint8, xv.device)
+    if n:
+        _launch(_threshold_kernel, _grid(-(-n // 8), _GROUPS), xv, t, packed, n, nbytes, d, G=_GROUPS)
+    return packed
+
+
+def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.sign_encode`."""
+    xv = _flat(x, "x", torch.float32)
+    zero = torch.zeros(1 if xv.numel() else 0, dtype=torch.float64, device=xv.device)
+    return threshold_encode(xv, zero, None, out=out)
+
+
+def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], n: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.bit_decode`."""
+    nbytes = (n + 7) // 8
+    data = _payload(packed, nbytes, "bits")
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    per = 2 if levels.dim() == 2 and levels.shape[1] == 2 else 1
+    lv = _flat(levels, "levels", torch.float32).to(data.device)
+    if lv.numel() != nb * per:
+        raise ValueError(f"expected {nb * per} levels ({per} per bucket), got {lv.numel()}")
+    res = _out(out, n, torch.float32, data.device)
+    if n:
+        _launch(_bit_decode_kernel, _grid(-(-n // 8), _GROUPS), data, lv, res, n, nbytes, d, PER=per, G=_GROUPS)
+    return res
+
+
+def _one_bit(x: torch.Tensor, bucket: Optional[int], stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """Statistics per bucket chunk in torch (the reference's code, on the device), bits here."""
+    xv = _flat(x, "x", torch.float32)
+    ts, vals = [], []
+    for mat in reference.bucket_chunks(xv, bucket):
+        t, lv = stats(mat)
+        ts.append(t.reshape(-1))
+        vals.append(lv.to(torch.float32).reshape(-1))
+    if not ts:
+        return torch.zeros(0, dtype=torch.uint8, device=xv.device), xv.new_zeros(0)
+    return threshold_encode(xv, torch.cat(ts).to(torch.float64), bucket), torch.cat(vals)
+
+
+def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.sign_scale_encode`."""
+    def stats(mat):
+        m64 = mat.to(torch.float64)
+        return m64.new_zeros(mat.shape[0]), reference.pairwise_row_sum(m64.abs()) / mat.shape[1]
+    return _one_bit(x, bucket, stats)
+
+
+def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.onebit_encode`."""
+    def stats(mat):
+        m64 = mat.to(torch.float64)
+        up = mat >= 0
+        zero = m64.new_zeros(mat.shape[0])
+        return zero, torch.stack([reference.masked_mean(m64, ~up, zero), reference.masked_mean(m64, up, zero)], 1)
+    return _one_bit(x, bucket, stats)
+
+
+def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int], iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.bingrad_b_encode`."""
+    def stats(mat):
+        t, b0, b1 = reference.bingrad_b_levels(mat, iters)
+        return t, torch.stack([b0, b1], dim=1)
+    return _one_bit(x, bucket, stats)
+
+
+def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.bingrad_pb_encode`: the level in torch, the bits here."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    chunks = list(reference.bucket_chunks(xv, bucket))
+    levels = torch.cat([reference.bingrad_pb_threshold(m) for m in chunks]) if chunks else xv.new_zeros(0)
+    nbytes = (n + 7) // 8
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
+    k1, k2, ctr0 = _stream(rng, n)
+    if n:
+        _launch(_pb_bits_kernel, _grid(-(-n // 8), _GROUPS), xv, levels, packed, n, nbytes, d, k1, k2, ctr0,
+                G=_GROUPS)
+    return packed, levels

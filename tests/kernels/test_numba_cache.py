@@ -1,0 +1,45 @@
+"""The numba kernels compile into a cache directory keyed by a hash of all their sources."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gradq import kernels
+from gradq.kernels import numba_cache
+
+
+def test_hash_follows_every_source(tmp_path):
+    files = []
+    for name in numba_cache.SOURCES:
+        p = tmp_path / name
+        p.write_text(f"# {name}\n")
+        files.append(str(p))
+    before = numba_cache.source_hash(files)
+    assert numba_cache.source_hash(files) == before
+    (tmp_path / numba_cache.SOURCES[-1]).write_text("# an edit of a helper module\n")
+    assert numba_cache.source_hash(files) != before
+
+
+def test_cache_dir_settings():
+    h = numba_cache.source_hash()
+    assert numba_cache.cache_dir({"GRADQ_NUMBA_CACHE": "/a"}) == os.path.join("/a", h)
+    assert numba_cache.cache_dir({"NUMBA_CACHE_DIR": "/b"}) == os.path.join("/b", "gradq", h)
+    assert numba_cache.cache_dir({"XDG_CACHE_HOME": "/c"}) == os.path.join("/c", "gradq", "numba", h)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_kernels_use_the_keyed_directory():
+    from numba.core import config
+
+    from gradq.kernels import binary, cpu, levels
+
+    binary._cpu()
+    levels._mod()
+    from gradq.kernels import cpu_binary, cpu_levels
+
+    want = numba_cache.cache_dir()
+    for fn in (cpu.maxabs_scales, cpu_levels.run, cpu_binary.binary_encode):
+        assert fn._cache._cache_path.startswith(want), fn
+    assert config.CACHE_DIR != want   # numba's own setting is restored for other code

@@ -1,0 +1,260 @@
+"""The Triton backend gives the reference's bytes and floats, primitive by primitive and scheme by scheme.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (``GRADQ_KERNELS=triton`` /
+``kernels.set_backend("triton")``), which checks their logic exactly: the interpreter evaluates the
+same operations in NumPy float32/uint32. What only a GPU can show (no FMA contraction, correctly
+rounded division on the device) is checked by the GPU-marked tests at the end, which compare the
+CUDA bytes with the CPU reference's. The shapes are small on purpose: the interpreter runs each
+program in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradq
+from gradq import kernels
+from gradq.errors import NonFiniteError, PayloadError
+from gradq.kernels import reference as R
+from gradq.random import RandomStream
+
+T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
+# (the interpreter divides by denormal scales as the kernels do on a GPU: 1/3e-42 overflows to inf)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+SIZES = [1, 7, 8, 9, 40, 513, 2051]
+BUCKETS = [None, 1, 5, 8, 64, 512]
+
+
+def data(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed values with zeros, −0.0, denormals, a huge value and an all-zero stretch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    x[::97] = 0.0
+    x[5::101] = -0.0
+    x[3::89] = 3e-42
+    x[11::211] = -2.5e37
+    if n > 200:
+        x[100:180] = 0.0   # whole buckets of zeros (scale 0) for buckets <= 64
+    return x
+
+
+def same(a, b) -> bool:
+    """Equal bits, including the sign of zeros."""
+    if isinstance(a, tuple):
+        return all(same(u, v) for u, v in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8
+                                                                      else a, b.view(torch.uint8) if b.dtype !=
+                                                                      torch.uint8 else b)
+
+
+@pytest.fixture
+def triton_backend():
+    was = kernels.get_backend()
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend(was)
+
+
+# -- primitives -------------------------------------------------------------------------------------
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_uniform_primitives(n, bucket):
+    x = data(n, n)
+    assert same(T.maxabs_scales(x, bucket), R.maxabs_scales(x, bucket))
+    assert same(T.maxabs_scales(x, bucket, clip=0.75), R.maxabs_scales(x, bucket, clip=0.75))
+    for s, w in [(1, 2), (3, 3), (7, 4), (15, 5), (127, 8)]:
+        enc = T.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))
+        ref = R.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))
+        assert same(enc, ref), (s, w)
+        packed, sc = ref
+        assert same(T.uniform_encode(x, sc * 1.5, s, bucket, w, 3), R.uniform_encode(x, sc * 1.5, s, bucket, w, 3))
+        assert same(T.uniform_decode(packed, sc, s, bucket, w, n), R.uniform_decode(packed, sc, s, bucket, w, n))
+        many = ([packed, packed.flip(0), packed], [sc, sc * 3, sc / 7])
+        assert same(T.uniform_decode_mean(*many, s, bucket, w, n), R.uniform_decode_mean(*many, s, bucket, w, n))
+    sc = R.maxabs_scales(x, bucket, clip=0.5)
+    trits = T.uniform_encode_trits(x, sc, bucket, 11, clip=0.5)
+    assert same(trits, R.uniform_encode_trits(x, sc, bucket, 11, clip=0.5))
+    assert same(T.uniform_decode_trits(trits, sc, bucket, n), R.uniform_decode_trits(trits, sc, bucket, n))
+    assert same(T.uniform_decode_trits_mean([trits, trits], [sc, sc * 2], bucket, n),
+                R.uniform_decode_trits_mean([trits, trits], [sc, sc * 2], bucket, n))
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("n", [1, 9, 1000])
+@pytest.mark.parametrize("bucket", [None, 7, 64])
+def test_level_and_bit_primitives(n, bucket):
+    x = data(n, 100 + n)
+    g = torch.Generator().manual_seed(n)
+    for L, w in [(3, 2), (5, 3), (9, 4), (17, 5)]:
+        enc = T.orq_encode(x, L, bucket, w, RandomStream(1))
+        assert same(enc, R.orq_encode(x, L, bucket, w, RandomStream(1))), L
+        assert same(T.levels_decode(enc[0], enc[1], bucket, w, n), R.levels_decode(enc[0], enc[1], bucket, w, n))
+        assert same(T.linear_encode(x, L, bucket, w, 2), R.linear_encode(x, L, bucket, w, 2))
+    nb = R.num_buckets(n, bucket)
+    t = torch.randn(nb, dtype=torch.float64, generator=g)
+    assert same(T.threshold_encode(x, t, bucket), R.threshold_encode(x, t, bucket))
+    assert same(T.sign_encode(x), R.sign_encode(x))
+    assert same(T.sign_scale_encode(x, bucket), R.sign_scale_encode(x, bucket))
+    assert same(T.onebit_encode(x, bucket), R.onebit_encode(x, bucket))
+    assert same(T.bingrad_b_encode(x, bucket, 3), R.bingrad_b_encode(x, bucket, 3))
+    pb = T.bingrad_pb_encode(x, bucket, RandomStream(4))
+    assert same(pb, R.bingrad_pb_encode(x, bucket, RandomStream(4)))
+    for lv in (torch.randn(nb, 2, generator=g), torch.randn(nb, generator=g)):
+        assert same(T.bit_decode(pb[0], lv, bucket, n), R.bit_decode(pb[0], lv, bucket, n))
+    assert T.terngrad_stats(x, 2.5, bucket)[0] == R.terngrad_stats(x, 2.5, bucket)[0]
+    assert same(T.terngrad_stats(x, 2.5, bucket)[1], R.terngrad_stats(x, 2.5, bucket)[1])
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_stream_offsets_past_two_to_the_32():
+    """Counters continue from the stream's offset (the high word enters the hash past 2**32) and
+    the stream advances as the reference's does."""
+    x = data(300, 5)
+    for start in (0, 2**32 - 100, 2**40 + 7):
+        a, b = RandomStream(9), RandomStream(9)
+        a.offset = b.offset = start
+        assert same(T.maxabs_uniform_encode(x, 7, 64, 4, a), R.maxabs_uniform_encode(x, 7, 64, 4, b))
+        assert a.offset == b.offset == start + 320
+        lv = R.orq_levels(x.view(1, -1), 5)
+        assert same(T.levels_encode(x, lv, None, 3, a), R.levels_encode(x, lv, None, 3, b))
+        assert a.offset == b.offset
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_empty_one_value_and_zero_buckets():
+    for x in (torch.zeros(0), torch.tensor([2.5]), torch.zeros(64), torch.tensor([-0.0] * 9)):
+        n = x.numel()
+        assert same(T.maxabs_uniform_encode(x, 7, 8, 4, 0), R.maxabs_uniform_encode(x, 7, 8, 4, 0))
+        packed, sc = R.maxabs_uniform_encode(x, 7, 8, 4, 0)
+        assert same(T.uniform_decode(packed, sc, 7, 8, 4, n), R.uniform_decode(packed, sc, 7, 8, 4, n))
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_out_buffers_and_errors():
+    x = data(100, 1)
+    packed, sc = R.maxabs_uniform_encode(x, 7, 16, 4, 0)
+    out = torch.full((100,), 7.0)
+    assert T.uniform_decode(packed, sc, 7, 16, 4, 100, out=out) is out
+    assert same(out, R.uniform_decode(packed, sc, 7, 16, 4, 100))
+    with pytest.raises(ValueError, match="out must be"):
+        T.uniform_decode(packed, sc, 7, 16, 4, 100, out=torch.empty(99))
+    with pytest.raises(PayloadError, match="need 50 bytes"):
+        T.uniform_decode(packed[:-1], sc, 7, 16, 4, 100)
+    bad = torch.full((20,), 255, dtype=torch.uint8)   # TernGrad 2-bit: field 3 is not a trit
+    with pytest.raises(PayloadError, match="fields above 2"):
+        T.uniform_decode(bad, torch.ones(1), 1, None, 2, 80, max_field=2)
+    with pytest.raises(PayloadError, match="above 242"):
+        T.uniform_decode_trits(torch.full((4,), 243, dtype=torch.uint8), torch.ones(1), None, 20)
+    lv = R.orq_levels(x.view(1, -1), 5)
+    with pytest.raises(PayloadError, match="out of range"):
+        T.levels_decode(torch.full((38,), 255, dtype=torch.uint8), lv, None, 3, 100)
+    with pytest.raises(ValueError, match="do not fit"):
+        T.uniform_encode(x, sc, 8, 16, 4, 0)
+
+
+# -- schemes, through the quantizers --------------------------------------------------------------
+FIXED_WIDTH = [
+    "qsgd", "qsgd:bits=2,bucket=128", "qsgd:bits=8,bucket=none", "qsgd:levels=5,bucket=7,norm=l2",
+    "maxnorm", "maxnorm:bits=2,bucket=64", "terngrad", "terngrad:pack=2bit,bucket=100",
+    "terngrad:clip=none,bucket=33", "randk-maxnorm:ratio=0.3", "orq", "orq:levels=3,bucket=100",
+    "linear:levels=9", "bingrad-b", "signsgd", "onebit:ef=0", "bingrad-pb",
+]
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", FIXED_WIDTH)
+def test_schemes_give_the_reference_bytes(spec, triton_backend):
+    x = data(1100, 3)
+    q = gradq.build(spec)
+    assert kernels.backend_for(x) == "triton"
+    enc = q.encode(x, seed=7)
+    dec = q.decode(enc)
+    mean = q.decode_mean([enc, q.encode(x * 2, seed=8)])
+    kernels.set_backend("torch")
+    ref = q.encode(x, seed=7)
+    assert enc.same_bytes(ref)
+    assert same(dec, q.decode(ref))
+    assert same(mean, q.decode_mean([ref, q.encode(x * 2, seed=8)]))
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", ["qsgd", "maxnorm:bits=4,bucket=64", "terngrad", "orq", "signsgd"])
+def test_non_finite_input_raises_as_before(spec, triton_backend):
+    x = data(200, 4)
+    x[17] = float("nan")
+    with pytest.raises(NonFiniteError):
+        gradq.build(spec).encode(x, seed=0)
+    x[17] = float("inf")
+    with pytest.raises(NonFiniteError):
+        gradq.build(spec).encode(x, seed=0)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_summable_fields_match(triton_backend):
+    q = gradq.build("maxnorm:bits=4,bucket=64")
+    x = data(500, 6)
+    shared = {"scale": q.shared_stats(x)["scale"].value}
+    fields = q.encode_fields(x, seed=3)
+    total = (fields.to(torch.int32) * 2).to(torch.uint8)   # two workers with the same fields
+    avg = q.decode_field_sum(total, shared=shared, count=2, like=x)
+    kernels.set_backend("torch")
+    assert same(fields, q.encode_fields(x, seed=3))
+    assert same(avg, q.decode_field_sum(total, shared=shared, count=2, like=x))
+
+
+def test_backend_choice():
+    """CPU tensors take numba (or torch) unless Triton is forced; the interpreter serves them then."""
+    was = kernels.get_backend()
+    try:
+        kernels.set_backend("auto")
+        assert kernels.backend_for(torch.zeros(3)) in ("numba", "torch")
+        kernels.set_backend("triton")
+        assert kernels.backend_for(torch.zeros(3)) == ("triton" if T.INTERPRETED else kernels.backend_for(
+            torch.zeros(3)))
+        with pytest.raises(ValueError, match="unknown kernel backend"):
+            kernels.set_backend("cuda")
+    finally:
+        kernels.set_backend(was)
+
+
+# -- on a real GPU --------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", FIXED_WIDTH)
+def test_gpu_bytes_equal_the_cpu_reference(spec):
+    """On CUDA the default backend is Triton, and its bytes and decodes equal the CPU's."""
+    x = data(300_001, 9)
+    q = gradq.build(spec)
+    assert kernels.backend_for(x.cuda()) == "triton"
+    enc = q.encode(x.cuda(), seed=5)
+    dec = q.decode(enc)
+    was = kernels.get_backend()
+    kernels.set_backend("torch")
+    try:
+        ref = q.encode(x, seed=5)
+        assert enc.same_bytes(ref)  # (compared on the CPU)
+        assert same(dec.cpu(), q.decode(ref))
+    finally:
+        kernels.set_backend(was)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_encode_needs_no_input_sized_temporaries():
+    """Peak extra memory of a 4-bit QSGD encode: at most 1.25x the payload's bytes."""
+    x = torch.randn(1 << 24, device="cuda")
+    q = gradq.build("qsgd:bits=4,bucket=512")
+    q.encode(x, seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    enc = q.encode(x, seed=1)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 1.25 * enc.nbytes, (extra, enc.nbytes)
