@@ -65,6 +65,7 @@ def test_uniform_primitives(n, bucket):
     x = data(n, n)
     assert same(T.maxabs_scales(x, bucket), R.maxabs_scales(x, bucket))
     assert same(T.maxabs_scales(x, bucket, clip=0.75), R.maxabs_scales(x, bucket, clip=0.75))
+    assert same(T.l2_scales(x, bucket), R.l2_scales(x, bucket))
     for s, w in [(1, 2), (3, 3), (7, 4), (15, 5), (127, 8)]:
         enc = T.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))
         ref = R.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))

@@ -41,7 +41,7 @@ from . import binary as _numba_binary
 from . import levels as _numba_levels
 
 __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_backend", "backend_for",
-           "process_threads", "maxabs_scales", "uniform_encode", "uniform_encode_trits",
+           "process_threads", "maxabs_scales", "l2_scales", "uniform_encode", "uniform_encode_trits",
            "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
@@ -195,6 +195,12 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
     """Per-bucket ``max |x|`` (float32, one per bucket; ``bucket=None``: the whole tensor). With
     ``clip``, the max of ``clamp(x, −clip, clip)``, i.e. ``min(max |x|, clip)`` (TernGrad)."""
     return _impl("maxabs_scales", x)(x, bucket, clip, out)
+
+
+def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-bucket L2 norm, ``float32(sqrt(Σ float64(x)²))`` (float32, one per bucket): the same on
+    every backend (see :func:`gradq.kernels.reference.bucket_norms`)."""
+    return _impl("l2_scales", x)(x, bucket, out)
 
 
 def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,

@@ -439,6 +439,37 @@ def _sum16_vec(typingctx, xs, nvec, shift, square, mx):
     return sig, codegen
 
 
+@_kernel
+def sumsq_norms(x, bucket, part, out):
+    """Per bucket: ``float32(sqrt(Σ float64(x)²))``, the bucket cut into parts of ``part`` values
+    summed in parallel (8 interleaved float64 accumulators each), the parts added in order."""
+    n = x.size
+    nb = (n + bucket - 1) // bucket
+    nparts = (bucket + part - 1) // part
+    tmp = np.zeros(nb * nparts, np.float64)
+    for t in prange(nb * nparts):
+        b = t // nparts
+        a = b * bucket + (t % nparts) * part
+        e = min(min(n, (b + 1) * bucket), a + part)
+        acc = np.zeros(8, np.float64)
+        i = a
+        while i + 8 <= e:
+            for k in range(8):
+                v = np.float64(x[i + k])
+                acc[k] += v * v
+            i += 8
+        while i < e:
+            v = np.float64(x[i])
+            acc[0] += v * v
+            i += 1
+        tmp[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    for b in prange(nb):
+        tot = 0.0
+        for p in range(nparts):
+            tot += tmp[b * nparts + p]
+        out[b] = np.float32(np.sqrt(tot))
+
+
 @_inline
 def _sum16(xs, shift, square, mx):
     full = xs.size // _LANES

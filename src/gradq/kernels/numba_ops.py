@@ -121,6 +121,17 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
     return res
 
 
+def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-bucket L2 norm ``float32(sqrt(Σ float64(x)²))`` (see :func:`gradq.kernels.reference.bucket_norms`)."""
+    xv = _vec(x, "x", torch.float32)
+    d = _bucket(xv.size, bucket)
+    res = _out(out, _nbuckets(xv.size, d), torch.float32)
+    if xv.size:
+        part = max(d, 8) if d <= _PART else 65536
+        _cpu().sumsq_norms(xv, d, part, res.numpy())
+    return res
+
+
 def _uniform(x, scales, s, bucket, width, rng, clip, out, fused):
     xv = _vec(x, "x", torch.float32)
     n = xv.size

@@ -37,7 +37,7 @@ __all__ = [
     "round_to_levels", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
     "bingrad_b_levels",
     # the kernel API
-    "maxabs_scales", "uniform_encode", "maxabs_uniform_encode", "uniform_encode_trits", "uniform_decode",
+    "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "uniform_encode_trits", "uniform_decode",
     "uniform_decode_trits", "uniform_decode_mean", "uniform_decode_trits_mean", "terngrad_stats",
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
@@ -99,11 +99,16 @@ def bucket_index(n: int, bucket: Optional[int], device: torch.device) -> torch.T
 
 
 def bucket_norms(mat: torch.Tensor, norm: str) -> torch.Tensor:
-    """Per-row L2 (``"l2"``) or max-abs (``"max"``) norm of a bucket matrix."""
+    """Per-row L2 (``"l2"``) or max-abs (``"max"``) norm of a bucket matrix.
+
+    The L2 norm is ``float32(sqrt(Σ float64(x)²))``: summed and rooted in float64, rounded once.
+    Any order of the float64 sum then gives the same float32 result, except when the exact norm lies
+    within float64 rounding (~1e-13 relative) of a float32 rounding tie. So every backend and
+    device agrees on it, which a float32 reduction (whose result depends on its order) would not."""
     if mat.numel() == 0:
         return mat.new_zeros(mat.shape[0])
     if norm == "l2":
-        return torch.linalg.vector_norm(mat, dim=1)
+        return mat.to(torch.float64).square().sum(dim=1).sqrt().to(mat.dtype)
     return mat.abs().amax(dim=1)
 
 
@@ -325,6 +330,11 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-bucket ``max |x|`` (of ``clamp(x, −clip, clip)`` with ``clip``), float32."""
     return _into(bucket_norms(bucket_view(_clipped(x, clip), bucket), "max").to(torch.float32), out)
+
+
+def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-bucket L2 norm (float32, see :func:`bucket_norms`)."""
+    return _into(bucket_norms(bucket_view(x.detach().reshape(-1), bucket), "l2").to(torch.float32), out)
 
 
 def _codes(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], rng: RngLike,

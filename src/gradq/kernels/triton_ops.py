@@ -164,6 +164,19 @@ def _maxabs_bits_kernel(x_ptr, bits_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr
 
 
 @_jit
+def _sumsq_kernel(x_ptr, part_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Per (rows, column chunk) tile: ``Σ float64(x)²`` of each row's chunk into ``part[row, chunk]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // ncol) * ROWS + tl.arange(0, ROWS)
+    col = pid % ncol
+    c = col * COLS + tl.arange(0, COLS)
+    idx = rows[:, None].to(tl.int64) * bucket + c[None, :]
+    ok = (rows[:, None] < nb) & (c[None, :] < bucket) & (idx < n)
+    v = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float64)
+    tl.store(part_ptr + rows * ncol + col, tl.sum(v * v, axis=1), mask=rows < nb)
+
+
+@_jit
 def _moment_kernel(x_ptr, shift_ptr, part_ptr, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
     """Per block of BLOCK values: ``Σ x`` (or ``Σ (x − shift)²``, ``shift`` a float64 on the
     device) in float64, into ``part_ptr[block]``; the host never sees the mean."""
@@ -391,6 +404,24 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
         m = bits.view(torch.float32)
         c = float(_clip(clip))
         torch.where(m < c, m, torch.full_like(m, c), out=res.view(-1))  # (NaN < c is false: a NaN bucket reads c)
+    return res
+
+
+def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.l2_scales`: float64 sums of squares per (bucket, chunk),
+    the chunks added by torch on the device, the root rounded once."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    nb = _nbuckets(n, d)
+    res = _out(out, nb, torch.float32, xv.device)
+    if n:
+        cols = min(1024, triton.next_power_of_2(d))
+        rows = max(1, min(_ROWS, 4096 // cols))
+        ncol = -(-d // cols)
+        part = torch.empty(nb, ncol, dtype=torch.float64, device=xv.device)
+        _launch(_sumsq_kernel, (-(-nb // rows) * ncol,), xv, part, n, d, nb, ncol, ROWS=rows, COLS=cols)
+        res.view(-1).copy_(part.sum(dim=1).sqrt_())
     return res
 
 

@@ -23,7 +23,7 @@ from ..codecs.bitpack import packed_nbytes
 from ..spec import IntParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
 from .. import kernels
-from ._common import bucket_norms, bucket_view, code_width, num_buckets
+from ._common import bucket_view, code_width, num_buckets
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode
 
 __all__ = ["MaxNorm", "check_shared_scale"]
@@ -65,9 +65,8 @@ class MaxNorm(SummableQuantizer):
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        if self.norm == "max":
-            return {"scale": SharedStat(kernels.maxabs_scales(v, self.bucket), "max")}
-        return {"scale": SharedStat(bucket_norms(bucket_view(v, self.bucket), self.norm), "max")}
+        norms = kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales
+        return {"scale": SharedStat(norms(v, self.bucket), "max")}
 
     def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"].to(torch.float32)

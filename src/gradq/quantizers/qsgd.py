@@ -158,7 +158,7 @@ class QSGD(Quantizer):
             if self.norm == "max":  # norm, quantize and pack fused per bucket
                 packed, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, self.width, ctx.rng)
             else:
-                scales = bucket_norms(bucket_view(v, self.bucket), self.norm)
+                scales = kernels.l2_scales(v, self.bucket)
                 packed = kernels.uniform_encode(v, scales, self.s, self.bucket, self.width, ctx.rng)
             return {"codes": packed, "scales": scales}
         mat = bucket_view(v, self.bucket)
