@@ -15,7 +15,7 @@ FIXED_WIDTH = [
     "qsgd", "qsgd:bits=2,bucket=128", "qsgd:bits=8,bucket=none", "qsgd:levels=5,bucket=7,norm=l2",
     "maxnorm", "maxnorm:bits=2,bucket=64", "maxnorm:bits=8,norm=l2",
     "terngrad", "terngrad:pack=2bit,bucket=100", "terngrad:clip=none,bucket=33",
-    "multiscale", "randk-maxnorm:ratio=0.3",
+    "multiscale", "multiscale:bits=2+4+8,bucket=64,norm=l2", "randk-multiscale:ratio=0.4", "randk-maxnorm:ratio=0.3",
     "orq", "orq:levels=3,bucket=100", "orq:levels=17,bucket=none", "linear:levels=9",
     "bingrad-b", "bingrad-b:iters=2,bucket=77", "signsgd", "onebit:ef=0", "bingrad-pb",
 ]

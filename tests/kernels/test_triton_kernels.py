@@ -110,6 +110,25 @@ def test_level_and_bit_primitives(n, bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("n", [1, 9, 700])
+@pytest.mark.parametrize("bucket", [None, 7, 64])
+def test_multiscale_primitives(n, bucket):
+    x = data(n, 200 + n)
+    for levels, w, iw in [((1, 31), 2, 1), ((1, 3, 15, 127), 2, 2), ((7,), 4, 0), ((3, 31, 127), 3, 2)]:
+        sc = R.maxabs_scales(x, bucket) * 1.5
+        idx = R.multiscale_indices(x, sc, levels, bucket)
+        assert same(T.multiscale_indices(x, sc, levels, bucket), idx)
+        enc = T.multiscale_encode(x, sc, idx, levels, bucket, w, iw, RandomStream(3))
+        ref = R.multiscale_encode(x, sc, idx, levels, bucket, w, iw, RandomStream(3))
+        assert same(enc[0], ref[0]) and (iw == 0 or same(enc[1], ref[1]))
+        assert same(T.multiscale_decode(*ref, sc, levels, bucket, w, iw, n),
+                    R.multiscale_decode(*ref, sc, levels, bucket, w, iw, n))
+        if n > 1 and len(levels) > 1:
+            with pytest.raises(ValueError, match="MIN over workers"):
+                T.multiscale_encode(x, sc, torch.full_like(idx, len(levels) - 1), levels, bucket, w, iw, 0)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_stream_offsets_past_two_to_the_32():
     """Counters continue from the stream's offset (the high word enters the hash past 2**32) and
     the stream advances as the reference's does."""
@@ -159,7 +178,8 @@ def test_out_buffers_and_errors():
 # -- schemes, through the quantizers --------------------------------------------------------------
 FIXED_WIDTH = [
     "qsgd", "qsgd:bits=2,bucket=128", "qsgd:bits=8,bucket=none", "qsgd:levels=5,bucket=7,norm=l2",
-    "maxnorm", "maxnorm:bits=2,bucket=64", "terngrad", "terngrad:pack=2bit,bucket=100",
+    "maxnorm", "maxnorm:bits=2,bucket=64", "maxnorm:bits=4,norm=l2", "multiscale", "multiscale:bits=2+4+8,bucket=64",
+    "randk-multiscale:ratio=0.5", "terngrad", "terngrad:pack=2bit,bucket=100",
     "terngrad:clip=none,bucket=33", "randk-maxnorm:ratio=0.3", "orq", "orq:levels=3,bucket=100",
     "linear:levels=9", "bingrad-b", "signsgd", "onebit:ef=0", "bingrad-pb",
 ]

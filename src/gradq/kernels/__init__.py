@@ -45,7 +45,8 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
-           "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode"]
+           "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
+           "multiscale_decode"]
 
 RngLike = Union[RandomStream, int]
 
@@ -346,3 +347,24 @@ def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> t
     """BinGrad-pb: ``(packed bits, float32 b per bucket)``; bit ``u < (x + b)/(2b)`` (all ones in a
     bucket with ``b = 0``), ``u`` the uniforms of ``rng`` (advanced by ``n``)."""
     return _impl("bingrad_pb_encode", x)(x, bucket, rng)
+
+
+# -- MultiScale ----------------------------------------------------------------------------------
+def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[int],
+                       bucket: Optional[int]) -> torch.Tensor:
+    """MultiScale's per-coordinate scale indices (uint8, Eq. 11) of ``x`` under per-bucket ``scales``."""
+    return _impl("multiscale_indices", x)(x, scales, levels, bucket)
+
+
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels: Sequence[int],
+                      bucket: Optional[int], width: int, index_width: int,
+                      rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """MultiScale's ``(packed fields, packed indices or None)`` under the shared scales and indices."""
+    return _impl("multiscale_encode", x)(x, scales, index, levels, bucket, width, index_width, rng)
+
+
+def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor,
+                      levels: Sequence[int], bucket: Optional[int], width: int, index_width: int, n: int,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MultiScale's decode: ``(float32(field − s_1) / s_idx)·scale``."""
+    return _impl("multiscale_decode", codes)(codes, index, scales, levels, bucket, width, index_width, n, out)

@@ -361,3 +361,74 @@ def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
         return bound, torch.tensor([m if bound is None or m < bound else bound], dtype=torch.float32)
     return bound, maxabs_scales(x, bucket, clip=bound)
 
+
+# -- MultiScale ----------------------------------------------------------------------------------
+_MS = None
+
+
+def _ms():
+    global _MS
+    if _MS is None:
+        _cpu()
+        from .numba_cache import keyed_cache
+
+        with keyed_cache():
+            from . import cpu_multiscale
+        _MS = cpu_multiscale
+    return _MS
+
+
+def _ms_levels(levels) -> np.ndarray:
+    lv = np.asarray(levels, dtype=np.float32)
+    if lv.ndim != 1 or not 1 <= lv.size <= 255:
+        raise ValueError(f"levels must be 1 to 255 increasing scales, got {levels!r}")
+    return lv
+
+
+def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Optional[int]) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.multiscale_indices`."""
+    xv = _vec(x, "x", torch.float32)
+    n = xv.size
+    d = _bucket(n, bucket)
+    res = torch.empty(n, dtype=torch.uint8)
+    if n:
+        _ms().indices(xv, xv.view(np.int32), _scales(scales, _nbuckets(n, d)), d, _ms_levels(levels), 65536, res.numpy())
+    return res
+
+
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels, bucket: Optional[int],
+                      width: int, index_width: int, rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """As :func:`gradq.kernels.reference.multiscale_encode`."""
+    xv = _vec(x, "x", torch.float32)
+    n = xv.size
+    d = _bucket(n, bucket)
+    iv = _vec(index, "index", torch.uint8)
+    if iv.size != n:
+        raise ValueError(f"expected {n} scale indices, got {iv.size}")
+    codes = torch.empty((n * _width(width) + 7) // 8, dtype=torch.uint8)
+    packed_index = torch.empty((n * index_width + 7) // 8, dtype=torch.uint8) if index_width else None
+    k1, k2, ctr0 = _stream(rng, n)
+    if n:
+        bad = _ms().encode(xv, _scales(scales, _nbuckets(n, d)), iv, d, _ms_levels(levels), width, index_width,
+                           k1, k2, ctr0, 65536, codes.numpy(),
+                           packed_index.numpy() if packed_index is not None else np.empty(0, np.uint8))
+        if bad:
+            raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
+                             "coordinates; it must be the MIN over workers of the indices")
+    return codes, packed_index
+
+
+def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor, levels,
+                      bucket: Optional[int], width: int, index_width: int, n: int,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.multiscale_decode`."""
+    cv = _payload(codes, (n * _width(width) + 7) // 8, f"{width}-bit codes")
+    iv = _payload(index, (n * index_width + 7) // 8, f"{index_width}-bit indices") if index_width \
+        else np.empty(0, np.uint8)
+    d = _bucket(n, bucket)
+    lv = _ms_levels(levels)
+    res = _out(out, n, torch.float32)
+    if n and _ms().decode(cv, iv, _scales(scales, _nbuckets(n, d)), d, lv, width, index_width, n, 65536,
+                          res.numpy()):
+        raise PayloadError(f"multiscale: corrupt scale index (>= {lv.size} scales)")
+    return res

@@ -41,6 +41,7 @@ __all__ = [
     "uniform_decode_trits", "uniform_decode_mean", "uniform_decode_trits_mean", "terngrad_stats",
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
+    "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
 ]
 
 RngLike = Union[RandomStream, int]
@@ -578,3 +579,75 @@ def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int],
         u = st.uniform(mat.numel(), mat.device).view(mat.shape)
         return u < p_up, b
     return _one_bit(x, bucket, chunk)
+
+
+# -- MultiScale (QSGDMaxNormMultiScale) ---------------------------------------------------------------
+def _ms_ratios(mat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``|v|/w`` per bucket row (IEEE float32 division); a zero scale divides by 1."""
+    safe = torch.where(w > 0, w, torch.ones_like(w)).to(mat.dtype).unsqueeze(1)
+    return mat.abs() / safe
+
+
+def _ms_index_matrix(r: torch.Tensor, levels: Sequence[int]) -> torch.Tensor:
+    """Eq. 11: the number of scales ``s_j`` (``j ≥ 1``) with ``float32(s_j)·r ≤ s_1`` — the index of the
+    largest scale that keeps the code in ``[−s_1, s_1]`` (the condition is monotone in ``s``). The
+    same float32 products as the codes', so a code never exceeds ``s_1``."""
+    idx = torch.zeros(r.shape, dtype=torch.int64, device=r.device)
+    for s in levels[1:]:
+        idx += (s * r <= levels[0]).to(torch.int64)
+    return idx
+
+
+def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[int],
+                       bucket: Optional[int]) -> torch.Tensor:
+    """Per-coordinate scale indices (uint8) of ``x`` under the per-bucket ``scales``."""
+    v = x.detach().reshape(-1)
+    r = _ms_ratios(bucket_view(v, bucket), scales.to(device=v.device, dtype=torch.float32))
+    return _ms_index_matrix(r, levels).reshape(-1)[: v.numel()].to(torch.uint8)
+
+
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels: Sequence[int],
+                      bucket: Optional[int], width: int, index_width: int,
+                      rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(packed fields s_1 + c, packed indices or None)`` of ``x`` under the shared per-bucket
+    ``scales`` and per-coordinate ``index`` (uint8, the MIN over workers): ``c = sgn(x)·min(floor(
+    float32(s_idx)·|x|/w + u), s_1)``, ``u`` from ``rng`` (advanced by ``n``). A shared index above
+    this worker's own raises ValueError."""
+    v = x.detach().reshape(-1)
+    n = v.numel()
+    r = _ms_ratios(bucket_view(v, bucket), scales.to(device=v.device, dtype=torch.float32)).reshape(-1)[:n]
+    idx = index.reshape(-1).to(device=v.device, dtype=torch.int64)
+    if n and bool((idx > _ms_index_matrix(r, levels)).any()):
+        raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
+                         "coordinates; it must be the MIN over workers of the indices")
+    s1 = levels[0]
+    table = torch.tensor(levels, dtype=torch.float32, device=v.device)
+    a = torch.nan_to_num(table[idx.clamp(max=len(levels) - 1)] * r, nan=0.0)  # (NaN input: code 0, as the kernels)
+    mag = stochastic_round(a, _stream(rng)).clamp_(max=s1).to(torch.int32)
+    codes = torch.where(v < 0, -mag, mag)
+    packed_index = pack_bits(index.reshape(-1), index_width) if index_width else None
+    return pack_bits(codes + s1, width), packed_index
+
+
+def multiscale_dequantize(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels: Sequence[int],
+                          bucket: Optional[int], n: int) -> torch.Tensor:
+    """``(float32(c) / float32(s_idx))·w`` for flat codes (possibly sums over workers)."""
+    table = torch.tensor(levels, dtype=torch.float32, device=codes.device)
+    frac = codes.to(torch.float32) / table[index.to(device=codes.device, dtype=torch.int64)]
+    return (bucket_view(frac, bucket) * scales.to(device=codes.device, dtype=torch.float32).unsqueeze(1)
+            ).reshape(-1)[:n]
+
+
+def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor,
+                      levels: Sequence[int], bucket: Optional[int], width: int, index_width: int, n: int,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode packed fields and indices (``index=None`` with one scale); an index ``≥ len(levels)``
+    raises PayloadError."""
+    c = unpack_bits(codes, width, n).to(scales.device) - levels[0]
+    if index_width:
+        idx = unpack_bits(index, index_width, n).to(scales.device)
+        if n and int(idx.max()) >= len(levels):
+            raise PayloadError(f"multiscale: corrupt scale index (>= {len(levels)} scales)")
+    else:
+        idx = torch.zeros(n, dtype=torch.int64, device=scales.device)
+    return _into(multiscale_dequantize(c, scales, idx, levels, bucket, n), out)

@@ -350,6 +350,75 @@ def _bit_decode_kernel(data_ptr, levels_ptr, out_ptr, n, nbytes, bucket, PER: tl
     tl.store(out_ptr + idx, v, mask=ok)
 
 
+@_jit
+def _ms_allowed(r, lv_ptr, L: tl.constexpr):
+    s1 = tl.load(lv_ptr)
+    k = tl.zeros(r.shape, tl.int32)
+    for j in tl.static_range(1, L):
+        k += (tl.load(lv_ptr + j) * r <= s1).to(tl.int32)
+    return k
+
+
+@_jit
+def _ms_ratio(x, w_ptr, b, ok):
+    sc = tl.load(w_ptr + b, mask=ok, other=1.0)
+    return tl.math.div_rn(tl.abs(x), tl.where(sc > 0.0, sc, 1.0))
+
+
+@_jit
+def _ms_indices_kernel(x_ptr, w_ptr, lv_ptr, out_ptr, n, bucket, L: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    r = _ms_ratio(x, w_ptr, tl.where(ok, idx // bucket, 0), ok)
+    tl.store(out_ptr + idx, _ms_allowed(r, lv_ptr, L).to(tl.uint8), mask=ok)
+
+
+@_jit
+def _ms_encode_kernel(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr, n, nbytes, ibytes, bucket,
+                      k1, k2, ctr0, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, G: tl.constexpr):
+    pid = tl.program_id(0)
+    grp = pid.to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    r = _ms_ratio(x, w_ptr, tl.where(ok, idx // bucket, 0), ok)
+    ix = tl.load(ix_ptr + idx, mask=ok, other=0).to(tl.int32)
+    over = ok & (ix > _ms_allowed(r, lv_ptr, L))
+    s1f = tl.load(lv_ptr)
+    s1 = s1f.to(tl.int32)
+    t = tl.load(lv_ptr + tl.minimum(ix, L - 1), mask=ok, other=0.0) * r + _uniform(ctr0 + idx, k1, k2)
+    mag = tl.where(t > s1f, s1f, t).to(tl.int32)
+    f = tl.where(x < 0.0, s1 - mag, s1 + mag)
+    _store_groups(codes_ptr, tl.where(ok, f, 0), grp, nbytes, W)
+    if IW > 0:
+        _store_groups(index_ptr, tl.where(ok, ix, 0), grp, ibytes, IW)
+    tl.store(bad_ptr + pid, tl.sum(tl.sum(over.to(tl.int32), axis=1), axis=0))
+
+
+@_jit
+def _ms_decode_kernel(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, n, nbytes, ibytes, bucket,
+                      L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, G: tl.constexpr):
+    pid = tl.program_id(0)
+    grp = pid.to(tl.int64) * G + tl.arange(0, G)
+    k = tl.arange(0, 8)
+    idx = grp[:, None] * 8 + k[None, :]
+    ok = idx < n
+    f = _load_groups(codes_ptr, grp, nbytes, W)
+    if IW > 0:
+        ix = _load_groups(index_ptr, grp, ibytes, IW)
+    else:
+        ix = tl.zeros(f.shape, tl.int32)
+    over = ok & (ix >= L)
+    ix = tl.where(over, 0, ix)
+    s1 = tl.load(lv_ptr).to(tl.int32)
+    frac = tl.math.div_rn((f - s1).to(tl.float32), tl.load(lv_ptr + ix, mask=ok, other=1.0))
+    v = frac * tl.load(w_ptr + tl.where(ok, idx // bucket, 0), mask=ok, other=0.0)
+    tl.store(out_ptr + idx, v, mask=ok)
+    tl.store(bad_ptr + pid, tl.sum(tl.sum(over.to(tl.int32), axis=1), axis=0))
+
+
 # == argument handling ============================================================================
 def _flat(x: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -730,3 +799,71 @@ def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> t
         _launch(_pb_bits_kernel, _grid(-(-n // 8), _GROUPS), xv, levels, packed, n, nbytes, d, k1, k2, ctr0,
                 G=_GROUPS)
     return packed, levels
+
+
+# -- MultiScale ----------------------------------------------------------------------------------
+def _ms_levels(levels, device: torch.device) -> torch.Tensor:
+    lv = torch.tensor(list(levels), dtype=torch.float32)
+    if lv.dim() != 1 or not 1 <= lv.numel() <= 255:
+        raise ValueError(f"levels must be 1 to 255 increasing scales, got {levels!r}")
+    return lv.to(device)
+
+
+def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Optional[int]) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.multiscale_indices`."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    lv = _ms_levels(levels, xv.device)
+    res = torch.empty(n, dtype=torch.uint8, device=xv.device)
+    if n:
+        w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, xv.device)
+        _launch(_ms_indices_kernel, _grid(n, 1024), xv, w, lv, res, n, d, L=lv.numel(), BLOCK=1024)
+    return res
+
+
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels, bucket: Optional[int],
+                      width: int, index_width: int, rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """As :func:`gradq.kernels.reference.multiscale_encode`."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    lv = _ms_levels(levels, xv.device)
+    iv = _flat(index, "index", torch.uint8).to(xv.device)
+    if iv.numel() != n:
+        raise ValueError(f"expected {n} scale indices, got {iv.numel()}")
+    nbytes, ibytes = (n * _width(width) + 7) // 8, (n * index_width + 7) // 8
+    codes = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
+    packed_index = torch.empty(ibytes, dtype=torch.uint8, device=xv.device) if index_width else None
+    k1, k2, ctr0 = _stream(rng, n)
+    if n:
+        w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, xv.device)
+        grid = _grid(-(-n // 8), _GROUPS)
+        bad = torch.zeros(grid[0], dtype=torch.int32, device=xv.device)
+        _launch(_ms_encode_kernel, grid, xv, w, iv, lv, codes, codes if packed_index is None else packed_index, bad,
+                n, nbytes, ibytes, d, k1, k2, ctr0, L=lv.numel(), W=width, IW=index_width, G=_GROUPS)
+        if int(bad.sum()):  # (a host read: the check the reference makes)
+            raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
+                             "coordinates; it must be the MIN over workers of the indices")
+    return codes, packed_index
+
+
+def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor, levels,
+                      bucket: Optional[int], width: int, index_width: int, n: int,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.multiscale_decode`."""
+    nbytes, ibytes = (n * _width(width) + 7) // 8, (n * index_width + 7) // 8
+    cv = _payload(codes, nbytes, f"{width}-bit codes")
+    iv = _payload(index, ibytes, f"{index_width}-bit indices") if index_width else cv
+    d = _bucket(n, bucket)
+    lv = _ms_levels(levels, cv.device)
+    res = _out(out, n, torch.float32, cv.device)
+    if n:
+        w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, cv.device)
+        grid = _grid(-(-n // 8), _GROUPS)
+        bad = torch.zeros(grid[0], dtype=torch.int32, device=cv.device)
+        _launch(_ms_decode_kernel, grid, cv, iv, w, lv, res, bad, n, nbytes, ibytes, d, L=lv.numel(), W=width,
+                IW=index_width, G=_GROUPS)
+        if int(bad.sum()):
+            raise PayloadError(f"multiscale: corrupt scale index (>= {lv.numel()} scales)")
+    return res

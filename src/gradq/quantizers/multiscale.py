@@ -41,11 +41,13 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
-from ..errors import PayloadError, SpecError
+from .. import kernels
+from ..codecs.bitpack import packed_nbytes, unpack_bits
+from ..errors import SpecError
+from ..kernels.reference import multiscale_dequantize
 from ..spec import BoolParam, IntParam, IntTupleParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
-from ._common import bucket_norms, bucket_view, code_width, levels_from_bits, num_buckets, stochastic_round
+from ._common import code_width, levels_from_bits, num_buckets
 from .maxnorm import MaxNorm, check_shared_scale
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items
 from .sparse import K_PARAM, RATIO_PARAM, select_count, shared_random_indices, signed64
@@ -59,22 +61,6 @@ MS_BITS = IntTupleParam("bits", (2, 6), "increasing bit widths of the scales (s_
 def multiscale_levels(bits: Sequence[int]) -> tuple[int, ...]:
     """The scales ``s_j = 2^(b_j−1) − 1`` of increasing bit widths (increasing)."""
     return tuple(levels_from_bits(b) for b in bits)
-
-
-def _ratios(mat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``|v|/w`` per bucket row; a zero scale gives zeros."""
-    safe = torch.where(w > 0, w, torch.ones_like(w)).to(mat.dtype).unsqueeze(1)
-    return mat.abs() / safe
-
-
-def _index_matrix(r: torch.Tensor, levels: Sequence[int]) -> torch.Tensor:
-    """Eq. 11: index of the largest scale ``s`` with ``s·r ≤ s_1`` (the condition is monotone in ``s``,
-    so the index is the number of larger scales that satisfy it). Uses the same float32 products as the
-    code computation, so a code never exceeds ``s_1``."""
-    idx = torch.zeros(r.shape, dtype=torch.int64, device=r.device)
-    for s in levels[1:]:
-        idx += (s * r <= levels[0]).to(torch.int64)
-    return idx
 
 
 @register("multiscale")
@@ -108,6 +94,10 @@ class MultiScale(SummableQuantizer):
         layout["scales"] = (torch.float32, num_buckets(numel, self.bucket))
         return layout
 
+    def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
+        # the kernels only do arithmetic on NaN/Inf, and a bucket's norm is NaN/Inf when it holds one
+        return x.dtype == torch.float32
+
     # -- scale indices -----------------------------------------------------------------------------
     def scale_indices(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Per-coordinate scale indices (uint8, Eq. 11) of ``x`` under the per-bucket scale ``scale``
@@ -116,59 +106,45 @@ class MultiScale(SummableQuantizer):
         return self._indices(v, torch.as_tensor(scale).to(device=v.device, dtype=torch.float32))
 
     def _indices(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        r = _ratios(bucket_view(v, self.bucket), w)
-        return _index_matrix(r, self.levels).reshape(-1)[: v.numel()].to(torch.uint8)
-
-    def _level_table(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.levels, dtype=torch.float32, device=device)
+        return kernels.multiscale_indices(v, w, self.levels, self.bucket)
 
     # -- encode ------------------------------------------------------------------------------------
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        w = bucket_norms(bucket_view(v, self.bucket), self.norm)
+        w = (kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales)(v, self.bucket)
         return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(self._indices(v, w), "min")}
 
+    def _fields_of(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        w = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(self.name, w, ctx.own["scale"].value)
+        codes, index = kernels.multiscale_encode(v, w, ctx.shared["scale_index"], self.levels, self.bucket,
+                                                 self.width, self.index_width, ctx.rng)
+        return codes, index, w
+
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
-        n = v.numel()
-        mat = bucket_view(v, self.bucket)
-        w = ctx.shared["scale"]
-        check_shared_scale(self.name, w, bucket_norms(mat, self.norm))
-        r = _ratios(mat, w)
-        idx = ctx.shared["scale_index"].to(torch.int64)
-        allowed = _index_matrix(r, self.levels).reshape(-1)[:n]
-        if n and bool((idx > allowed).any()):
-            raise ValueError(f"{self.name}: the shared scale_index exceeds this worker's own index for "
-                             "some coordinates; it must be the MIN over workers of the indices")
-        a = self._level_table(v.device)[idx] * r.reshape(-1)[:n]
-        mag = stochastic_round(a, ctx.rng).clamp_(max=self.s1)
-        return (torch.sign(v) * mag).to(torch.int32)
+        codes, _, _ = self._fields_of(v, ctx)
+        return unpack_bits(codes, self.width, v.numel()).to(torch.int32) - self.s1
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
-        fields = {"codes": pack_bits(self._codes(v, ctx) + self.s1, self.width)}
+        codes, index, w = self._fields_of(v, ctx)
+        fields = {"codes": codes}
         if self.index_width:
-            fields["index"] = pack_bits(ctx.shared["scale_index"], self.index_width)
-        fields["scales"] = ctx.shared["scale"].to(torch.float32)
+            fields["index"] = index
+        fields["scales"] = w
         return fields
 
     # -- decode ------------------------------------------------------------------------------------
-    def _dequantize(self, codes: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, numel: int) -> torch.Tensor:
-        """``w·c/s_idx`` for flat codes (possibly sums over workers)."""
-        frac = codes.to(torch.float32) / self._level_table(codes.device)[idx.to(torch.int64)]
-        mat = bucket_view(frac, self.bucket)
-        return (mat * w.to(torch.float32).unsqueeze(1)).reshape(-1)[:numel]
-
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        codes = unpack_bits(fields["codes"], self.width, numel) - self.s1
-        if self.index_width:
-            idx = unpack_bits(fields["index"], self.index_width, numel)
-            if numel and int(idx.max()) >= len(self.levels):
-                raise PayloadError(f"{self.name}: corrupt scale index (>= {len(self.levels)} scales)")
-        else:
-            idx = torch.zeros(numel, dtype=torch.int64, device=codes.device)
-        return self._dequantize(codes, fields["scales"], idx, numel)
+        return kernels.multiscale_decode(fields["codes"], fields.get("index"), fields["scales"], self.levels,
+                                         self.bucket, self.width, self.index_width, numel)
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        kernels.multiscale_decode(fields["codes"], fields.get("index"), fields["scales"], self.levels,
+                                  self.bucket, self.width, self.index_width, numel, out=out)
+        return True
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
-        return self._dequantize(codes, shared["scale"], shared["scale_index"], numel)
+        return multiscale_dequantize(codes, shared["scale"], shared["scale_index"], self.levels, self.bucket, numel)
 
 
 # --------------------------------------------------------------------------------------------------
