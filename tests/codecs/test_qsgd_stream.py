@@ -388,3 +388,24 @@ def test_ans_corruption(spec, seed, n, field, kind, where, extra):
     except PayloadError:
         return
     assert codes.shape == (n,) and int(codes.abs().max()) <= q.s
+
+
+@pytest.mark.parametrize("layout", ["auto", "sparse", "dense"])
+@pytest.mark.parametrize("s", [1, 7, 127])
+def test_fields_streams_are_the_codes_streams(layout, s):
+    """uint8 fields ``c + s`` stream to the same bytes as the codes, and decode back to the fields."""
+    from gradq.codecs.qsgd_stream import decode_fields_stream, encode_fields_stream
+
+    g = torch.Generator().manual_seed(s)
+    codes = torch.randint(-s, s + 1, (5003,), generator=g, dtype=torch.int32)
+    codes[torch.rand(5003, generator=g) < 0.7] = 0
+    fields = (codes + s).to(torch.uint8)
+    stream = encode_fields_stream(fields, s, layout)
+    assert torch.equal(stream, encode_stream(codes, s, layout))
+    out = torch.empty(5003, dtype=torch.uint8)
+    assert decode_fields_stream(stream, 5003, s, out=out) is out
+    assert torch.equal(out, fields)
+    with pytest.raises(PayloadError):
+        decode_fields_stream(stream[:-1], 5003, s)
+    with pytest.raises(ValueError, match="lie in"):
+        encode_fields_stream(torch.full((3,), 2 * s + 1, dtype=torch.uint8), s, layout)

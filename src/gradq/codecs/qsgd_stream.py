@@ -26,7 +26,7 @@ Wire size: ``ceil((1 + body bits)/8)`` bytes; :func:`stream_nbits` gives the bit
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -35,7 +35,8 @@ from ..errors import PayloadError
 from .elias import (_OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_NNZ, ERR_TRUNCATED, MAX_VALUE, OK, _jit,
                     check_tail, flush, omega_len, omega_pieces, raise_for_error, read_omega)
 
-__all__ = ["encode_stream", "decode_stream", "stream_nbits", "layout_nbits", "LAYOUTS"]
+__all__ = ["encode_stream", "decode_stream", "encode_fields_stream", "decode_fields_stream", "stream_nbits",
+           "layout_nbits", "LAYOUTS"]
 
 LAYOUTS = ("auto", "sparse", "dense")
 Codes = Union[np.ndarray, torch.Tensor]
@@ -48,7 +49,7 @@ def _olen(k: int) -> int:
 
 
 @_jit
-def _lengths(codes: np.ndarray):
+def _lengths(codes: np.ndarray, off: int):
     """One pass: ``(sparse body bits, dense body bits, max |c|)`` (flag bit excluded; ``max |c| = −1``
     when a magnitude reaches 2**62 or overflows). Written with selects instead of branches on
     ``c == 0``, which is unpredictable for dense codes."""
@@ -59,7 +60,7 @@ def _lengths(codes: np.ndarray):
     big = 0
     bad = False
     for i in range(codes.shape[0]):
-        c = int(codes[i])
+        c = int(codes[i]) - off
         m = c if c > 0 else -c
         bad |= m < 0
         big = m if m > big else big
@@ -79,11 +80,12 @@ def _lengths(codes: np.ndarray):
 # threading ``(o, acc, nacc)`` through calls made the loop ~6x slower). Every value written is below
 # 2**60 (magnitudes ≤ s < 2**31, gaps ≤ n), as ``omega_pieces`` requires.
 @_jit
-def _write_sparse(codes: np.ndarray, buf: np.ndarray) -> int:
-    """Flag 0, Elias(nnz+1), then per nonzero Elias(gap), sign, Elias(|c|); returns bytes written."""
+def _write_sparse(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
+    """Flag 0, Elias(nnz+1), then per nonzero Elias(gap), sign, Elias(|c|) (``c = codes[i] − off``);
+    returns bytes written."""
     nnz = 0
     for i in range(codes.shape[0]):
-        nnz += 1 if codes[i] != 0 else 0
+        nnz += 1 if int(codes[i]) != off else 0
     o = 0
     acc = 0  # the flag bit, 0 = sparse
     nacc = 1
@@ -92,7 +94,7 @@ def _write_sparse(codes: np.ndarray, buf: np.ndarray) -> int:
         if i == -1:
             p = omega_pieces(nnz + 1) + (0, 0, 0, 0, 0, 0)  # the header: no magnitude pieces
         else:
-            c = int(codes[i])
+            c = int(codes[i]) - off
             if c == 0:
                 continue
             m = omega_pieces(c if c > 0 else -c)
@@ -118,13 +120,14 @@ def _write_sparse(codes: np.ndarray, buf: np.ndarray) -> int:
 
 
 @_jit
-def _write_dense(codes: np.ndarray, buf: np.ndarray) -> int:
-    """Flag 1, then per coordinate Elias(|c|+1) and a sign bit when c != 0; returns bytes written."""
+def _write_dense(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
+    """Flag 1, then per coordinate Elias(|c|+1) and a sign bit when c != 0 (``c = codes[i] − off``);
+    returns bytes written."""
     o = 0
     acc = 1  # the flag bit, 1 = dense
     nacc = 1
     for i in range(codes.shape[0]):
-        c = int(codes[i])
+        c = int(codes[i]) - off
         m = c if c > 0 else -c
         nz = 1 if m != 0 else 0
         p = omega_pieces(m + 1)
@@ -153,8 +156,9 @@ def _write_dense(codes: np.ndarray, buf: np.ndarray) -> int:
 
 
 @_jit
-def _read(buf: np.ndarray, n: int, s: int, out: np.ndarray):
-    """Decode into the zeroed ``out[:n]``; return ``(err, bit position, layout flag)``."""
+def _read(buf: np.ndarray, n: int, s: int, off: int, out: np.ndarray):
+    """Decode ``c + off`` into ``out[:n]``, which holds ``off`` everywhere; return ``(err, bit
+    position, layout flag)``."""
     end = buf.shape[0] * 8
     if end == 0:
         return ERR_TRUNCATED, 0, -1
@@ -184,7 +188,7 @@ def _read(buf: np.ndarray, n: int, s: int, out: np.ndarray):
                 return err, p, flag
             if mag > s:
                 return ERR_CODE, p, flag
-            out[pos - 1] = -mag if neg else mag
+            out[pos - 1] = (-mag if neg else mag) + off
     else:
         for i in range(n):
             v, p, err = read_omega(buf, p, end)
@@ -198,7 +202,7 @@ def _read(buf: np.ndarray, n: int, s: int, out: np.ndarray):
                     return ERR_TRUNCATED, p, flag
                 neg = (int(buf[p >> 3]) >> (7 - (p & 7))) & 1
                 p += 1
-                out[i] = -mag if neg else mag
+                out[i] = (-mag if neg else mag) + off
     return check_tail(buf, p), p, flag
 
 
@@ -221,7 +225,7 @@ def _as_codes(codes: Codes) -> np.ndarray:
 
 def _measure(codes: Codes) -> tuple[np.ndarray, int, int, int]:
     arr = _as_codes(codes)
-    sparse, dense, big = _lengths(arr)
+    sparse, dense, big = _lengths(arr, 0)
     if big < 0:
         raise ValueError("QSGD codes must have magnitudes below 2**62")
     return arr, int(sparse), int(dense), int(big)
@@ -257,7 +261,7 @@ def encode_stream(codes: Codes, s: int, layout: str = "auto") -> torch.Tensor:
     sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
     nbits = 1 + (sparse_bits if sparse else dense_bits)
     buf = np.zeros((nbits + 7) // 8, dtype=np.uint8)
-    end = _write_sparse(arr, buf) if sparse else _write_dense(arr, buf)
+    end = _write_sparse(arr, 0, buf) if sparse else _write_dense(arr, 0, buf)
     assert end == buf.shape[0], "internal error: stream length mismatch"
     return torch.from_numpy(buf)
 
@@ -282,6 +286,43 @@ def decode_stream(stream: Union[torch.Tensor, np.ndarray, bytes], n: int, s: int
             raise PayloadError(f"a QSGD stream must be uint8 bytes, got {buf.dtype}")
     buf = np.ascontiguousarray(buf.reshape(-1))
     out = np.zeros(n, dtype=np.int32)
-    err, pos, _ = _read(buf, n, s, out)
+    err, pos, _ = _read(buf, n, s, 0, out)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return torch.from_numpy(out)
+
+
+def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> torch.Tensor:
+    """:func:`encode_stream` of the codes ``fields − s``, given as uint8 fields ``c + s`` (``s ≤
+    127``: what the fixed-width kernels write at 8 bits), without widening them to integers."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not valid; expected one of {', '.join(LAYOUTS)}")
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
+        raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
+    if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
+        raise TypeError("fields must be a uint8 tensor")
+    arr = fields.detach().cpu().reshape(-1).contiguous().numpy()
+    sparse_bits, dense_bits, big = (int(v) for v in _lengths(arr, s))
+    if big > s:
+        raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got |c| up to {big}")
+    sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
+    buf = np.zeros((1 + (sparse_bits if sparse else dense_bits) + 7) // 8, dtype=np.uint8)
+    end = _write_sparse(arr, s, buf) if sparse else _write_dense(arr, s, buf)
+    assert end == buf.shape[0], "internal error: stream length mismatch"
+    return torch.from_numpy(buf)
+
+
+def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decode_stream` as uint8 fields ``c + s`` (``s ≤ 127``), into ``out`` when given."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
+        raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
+    if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
+        raise PayloadError("a QSGD stream must be uint8 bytes")
+    buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
+    res = torch.empty(n, dtype=torch.uint8) if out is None else out
+    arr = res.numpy()
+    arr.fill(s)
+    err, pos, _ = _read(buf, n, s, s, arr)
+    raise_for_error(int(err), int(pos), "QSGD stream")
+    return res

@@ -161,6 +161,15 @@ class QSGD(Quantizer):
                 scales = kernels.l2_scales(v, self.bucket)
                 packed = kernels.uniform_encode(v, scales, self.s, self.bucket, self.width, ctx.rng)
             return {"codes": packed, "scales": scales}
+        if self.coding != "ans" and self.s <= 127:
+            # the codes as uint8 fields c + s from the fixed-width kernels (the same randomness),
+            # streamed without widening them: no input-sized temporaries
+            from ..codecs.qsgd_stream import encode_fields_stream  # numba-compiled; loaded on first use
+
+            scales = kernels.maxabs_scales(v, self.bucket) if self.norm == "max" else kernels.l2_scales(v, self.bucket)
+            fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
+            stream = encode_fields_stream(fields, self.s, _LAYOUT[self.coding])
+            return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
         codes = uniform_codes(mat, scales, self.s, ctx.rng).reshape(-1)[: v.numel()]
@@ -195,6 +204,12 @@ class QSGD(Quantizer):
         if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
             raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
                                "(truncated, extended or altered bytes)")
+        if self.coding != "ans" and self.s <= 127:
+            from ..codecs.qsgd_stream import decode_fields_stream
+
+            f8 = decode_fields_stream(fields["stream"], numel, self.s)
+            return kernels.uniform_decode(f8.to(fields["scales"].device), fields["scales"], self.s, self.bucket, 8,
+                                          numel)
         if self.coding == "ans":
             codes = ans_decode_codes(fields, numel, self.s)
         else:
