@@ -18,7 +18,7 @@ if _lifecycle._launched_worker():  # under torchrun & co.: before the script cre
 from .errors import CommunicationError, GradqError, NonFiniteError, PayloadError, SpecError
 from .payload import Payload
 from .quantizers import Quantizer, SharedStat, SummableQuantizer
-from .spec import available, build, registry
+from .factory import available, build, registry
 from .transforms import ErrorFeedback
 from .ddp import GradqState, register
 from .comm import allreduce_

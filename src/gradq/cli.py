@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from . import __version__
 from .errors import GradqError
-from .spec import build, registry
+from .factory import build, registry
 
 __all__ = ["main", "COMPARE_SPECS", "DEMO_COMPRESSORS"]
 

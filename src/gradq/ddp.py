@@ -77,7 +77,7 @@ from .comm._util import check_timeout, collective, time_limit
 from .ddp_step import OWN_CALL_NUMEL, SMALL_PAYLOAD, _bucketed, _Group, _make_groups, _Step  # noqa: F401
 from .errors import CommunicationError
 from .quantizers.base import Quantizer
-from .spec import build
+from .factory import build
 from .transforms import ErrorFeedback
 
 __all__ = ["GradqState", "gradq_hook", "register", "DEFAULT_TIMEOUT"]

@@ -12,6 +12,10 @@ Examples: ``qsgd:bits=4,bucket=512,norm=max``, ``terngrad:clip=none``, ``multisc
 ``gradq.build(spec)`` returns a quantizer and ``str(quantizer)`` returns the canonical spec (every
 parameter spelled out, in declaration order), which builds an equal quantizer. Any unknown name, key
 or bad value raises :class:`gradq.SpecError` (a ``ValueError``) that lists the valid choices.
+
+This module holds the grammar, the parameter types and the registry, and imports no quantizer
+family: the families register themselves here on import, and :mod:`gradq.factory` (which imports
+them all) builds from the registry.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .errors import SpecError
 
 __all__ = [
     "Param", "IntParam", "FloatParam", "ChoiceParam", "BoolParam", "IntTupleParam",
-    "parse_spec", "format_value", "register", "registry", "build", "available",
+    "parse_spec", "format_value", "register", "register_wrapper", "registry", "available", "make", "EF_PARAM",
 ]
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
@@ -323,40 +327,36 @@ def register_wrapper(name: str, fn: Callable[..., Any]) -> None:
 
 
 def registry() -> dict[str, type]:
-    """Name → quantizer class, for every registered quantizer."""
-    _ensure_loaded()
+    """Name → quantizer class, for every registered quantizer (all of them once :mod:`gradq` is
+    imported: :mod:`gradq.factory` imports every family)."""
     return dict(_REGISTRY)
 
 
 def available() -> list[str]:
     """Sorted names of every registered quantizer."""
-    _ensure_loaded()
     return sorted(_REGISTRY)
 
 
-def _ensure_loaded() -> None:
-    from . import quantizers  # noqa: F401  (registers every family on import)
-    from . import transforms  # noqa: F401
+#: the generic option of every scheme: wrap it in error feedback
+EF_PARAM = BoolParam("ef", False, "wrap in error feedback (same as ef(...))")
 
 
-def build(spec: Any) -> Any:
-    """Build a quantizer from a spec string (a quantizer instance is returned unchanged).
+def make(spec: str) -> Any:
+    """Build a quantizer from a spec string with the registered classes and wrappers (the
+    implementation of :func:`gradq.build`, which also passes quantizer instances through).
 
-    >>> q = build("qsgd:bits=4,bucket=512,norm=max")
-    >>> str(q)
-    'qsgd:bits=4,bucket=512,norm=max'
-    """
-    from .quantizers.base import Quantizer
-
-    if isinstance(spec, Quantizer):
-        return spec
-    _ensure_loaded()
+    The generic ``ef=`` option is taken off the parameters here: ``ef=1`` (or a class's
+    ``default_ef``, unless ``ef=0``) wraps the scheme in the ``ef`` wrapper."""
     parsed = parse_spec(spec)
     cls = _REGISTRY.get(parsed.name)
     if cls is None:
         hint = f"; wrappers: {', '.join(sorted(_WRAPPERS))}" if _WRAPPERS else ""
         raise SpecError(f"unknown quantizer {parsed.name!r}; valid: {', '.join(sorted(_REGISTRY))}{hint}")
-    q = cls.from_params(parsed.params)
+    params = dict(parsed.params)
+    ef_text = params.pop("ef", None)
+    q = cls.from_params(params)
+    if (cls.default_ef if ef_text is None else EF_PARAM.parse(ef_text)):
+        q = _WRAPPERS["ef"](q)
     for wname, wparams in reversed(parsed.wrappers):
         fn = _WRAPPERS.get(wname)
         if fn is None:

@@ -21,7 +21,7 @@ import torch
 from .errors import SpecError
 from .payload import Payload
 from .quantizers.base import EncodeContext, Quantizer, SharedStat
-from .spec import register_wrapper
+from .spec import make, register_wrapper
 
 __all__ = ["ErrorFeedback"]
 
@@ -39,9 +39,7 @@ class ErrorFeedback(Quantizer):
     unbiased = False
 
     def __init__(self, inner: Quantizer | str) -> None:
-        from .spec import build
-
-        inner = build(inner)
+        inner = inner if isinstance(inner, Quantizer) else make(inner)
         if isinstance(inner, ErrorFeedback):
             raise SpecError(f"{inner} already has error feedback")
         self.inner = inner

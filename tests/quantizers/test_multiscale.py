@@ -14,7 +14,7 @@ from gradq.errors import PayloadError, SpecError
 from gradq.payload import FIELD_HEADER_BYTES, HEADER_BYTES
 from gradq.quantizers.multiscale import MultiScale, RandKMaxNorm, RandKMultiScale
 from gradq.quantizers.sparse import shared_random_indices
-from gradq.spec import build
+from gradq.factory import build
 
 
 def _gauss(n: int, seed: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import gradq  # noqa: F401  (registers the quantizers)
 from gradq.errors import PayloadError, SpecError
 from gradq.payload import FIELD_HEADER_BYTES, HEADER_BYTES
 from gradq.quantizers.terngrad import TernGrad
-from gradq.spec import build
+from gradq.factory import build
 
 
 def _data(n: int, seed: int, outliers: bool = True) -> torch.Tensor:

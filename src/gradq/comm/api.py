@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import CommunicationError, PayloadError
 from ..quantizers.base import Quantizer
-from ..spec import build
+from ..factory import build
 from . import derive_seed
 from .allgather import allgather_mean
 from .allreduce import shared_scale_allreduce

@@ -207,7 +207,7 @@ def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor
     m = _BITS_RE.match(text)
     if m:
         return Compressor(name=text, bits=float(m.group(1)), **codec)
-    from ..spec import build
+    from ..factory import build
 
     try:
         q = build(text)

@@ -26,12 +26,11 @@ import torch
 from ..errors import NonFiniteError, PayloadError, SpecError
 from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
 from ..random import RandomStream, resolve_seed
-from ..spec import BoolParam, Param, format_value
+from ..spec import Param, format_value
 
 __all__ = ["Quantizer", "SummableQuantizer", "SharedStat", "EncodeContext", "check_finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_EF_PARAM = BoolParam("ef", False, "wrap in error feedback (same as ef(...))")
 
 
 class SharedStat(NamedTuple):
@@ -110,9 +109,8 @@ class Quantizer:
     # -- spec --------------------------------------------------------------------------------------
     @classmethod
     def from_params(cls, text: Mapping[str, str]) -> "Quantizer":
-        """Build from a spec's ``key=value`` texts, handling the generic ``ef`` option."""
-        text = dict(text)
-        ef_text = text.pop("ef", None)
+        """Build from a spec's ``key=value`` texts (the generic ``ef`` option is the factory's:
+        :func:`gradq.factory.build`)."""
         known = {p.name: p for p in cls.params}
         values: dict[str, Any] = {}
         for key, val in text.items():
@@ -124,13 +122,7 @@ class Quantizer:
                 values[key] = p.parse(val)
             except SpecError as e:
                 raise SpecError(f"{cls.name}: {e}") from None
-        q = cls(**values)
-        ef = cls.default_ef if ef_text is None else _EF_PARAM.parse(ef_text)
-        if ef:
-            from ..transforms import ErrorFeedback
-
-            return ErrorFeedback(q)
-        return q
+        return cls(**values)
 
     def _spec_items(self) -> list[tuple[str, str]]:
         """``(name, text)`` pairs of the canonical spec; override to drop redundant spellings."""
@@ -192,6 +184,16 @@ class Quantizer:
             check_finite(x, name)
         return x.detach().reshape(-1).to(torch.float32)
 
+    def _context(self, v: torch.Tensor, rng: RandomStream, shared: Optional[Mapping[str, torch.Tensor]],
+                 shared_seed: Optional[int], name: Optional[str]) -> EncodeContext:
+        """The encode context every encoding entry point starts from: its randomness, this worker's
+        own statistics (``ctx.own``) and the ones to encode under (``ctx.shared``: the reduced
+        ``shared`` after a check of their names and shapes, or without it the worker's own)."""
+        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
+        own = ctx.own = self._own_stats(v, ctx)
+        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        return ctx
+
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
                shared: Optional[Mapping[str, torch.Tensor]] = None,
@@ -217,12 +219,7 @@ class Quantizer:
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             shared_seed = rng.child(0x5EED).seed
-        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
-        own = ctx.own = self._own_stats(v, ctx)
-        if shared is None:
-            ctx.shared = {k: s.value for k, s in own.items()}
-        else:
-            ctx.shared = self._check_shared(shared, own)
+        ctx = self._context(v, rng, shared, shared_seed, name)
         fields = self._encode(v, ctx)
         if late and not bool(torch.isfinite(fields["scales"]).all()):
             check_finite(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
@@ -395,12 +392,9 @@ class SummableQuantizer(Quantizer):
                      shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
         """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats."""
         v = self._flatten(x, name)
-        rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
-        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
-        own = ctx.own = self._own_stats(v, ctx)
-        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
         return self._codes(v, ctx)
 
     def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
@@ -432,9 +426,7 @@ class SummableQuantizer(Quantizer):
         v = self._flatten(x, name)
         if self.max_code > 127 or self.needs_shared_seed:
             return None
-        ctx = EncodeContext(rng=RandomStream(resolve_seed(seed, generator)), shared_seed=shared_seed, name=name)
-        own = ctx.own = self._own_stats(v, ctx)
-        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
         return self._fields(v, ctx)
 
     def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,

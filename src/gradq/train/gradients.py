@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..quantizers.base import Quantizer
-from ..spec import build
+from ..factory import build
 from .data import Dataset
 
 __all__ = ["model_gradients", "compare_quantizers", "format_table"]

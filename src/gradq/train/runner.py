@@ -129,7 +129,7 @@ def baseline_kind(compressor: str) -> tuple[str, dict[str, int]]:
         if opts["rank"] < 1:
             raise ValueError("powersgd rank must be at least 1")
         return "powersgd", opts
-    from ..spec import build
+    from ..factory import build
 
     build(text)
     return "gradq", {}
