@@ -6,7 +6,7 @@ DDP hands the hook one *bucket* at a time: a flat buffer holding the concatenate
     ĝ_l = mean_m g^m_l                          for parameters kept in float32 (the policy below),
     ĝ_l = protocol(g^m_l, Q, name=l, seed=s_l)  for every other parameter,
 
-where ``protocol`` is one of gradq.comm's (ALGORITHMS.md §6): the shared-scale integer all-reduce for
+where ``protocol`` is one of gradq.comm's (docs/algorithms.md): the shared-scale integer all-reduce for
 summable quantizers, scatter/all-gather for fixed-width ones, all-gather otherwise (or a parameter
 server), each returning the same average of decoded gradients on every rank.
 
@@ -23,12 +23,12 @@ writes into the bucket has finished; nothing writes into a bucket after that. Th
 Within a group, a bucketed scheme (fixed-size buckets of values, :func:`gradq.ddp_step._bucketed`) sends each tensor
 of at least :data:`OWN_CALL_NUMEL` values through a protocol call of its own, averaged in place in
 DDP's buffer, and the smaller ones concatenated (model order) through one call keyed ``group{g}``;
-layer-wise schemes (TernGrad's per-layer scaler, paper 001) get one call per tensor. Error-feedback
+layer-wise schemes (TernGrad's per-layer scaler, [TernGrad]) get one call per tensor. Error-feedback
 residuals are keyed by parameter name (or ``group{g}``). Under ``strategy="auto"`` a payload of at most
 :data:`SMALL_PAYLOAD` bytes is all-gathered rather than scattered (one exchange instead of two).
 
 Policy (kept in float32): tensors with fewer than ``min_numel`` elements (QSGD's experiments left
-tensors below 10 000 elements unquantized, paper 000 §4), 1-D tensors (biases, norm scales) when
+tensors below 10 000 elements unquantized, [QSGD] §4), 1-D tensors (biases, norm scales) when
 ``keep_1d_fp32``, parameters named in ``uncompressed`` (TernGrad §4.2 keeps the last classifier in
 full precision), and every parameter during the first ``warmup_steps`` steps. They are averaged by the
 step's LAST collective, concatenated in model order (so each value's place, which fixes the order gloo's

@@ -1,6 +1,6 @@
 """Wrappers that take a quantizer and return one: error feedback.
 
-**Error feedback** (Seide et al.'s 1BitSGD; ALGORITHMS.md §5): keep the part of each gradient that
+**Error feedback** (Seide et al.'s 1BitSGD; docs/algorithms.md): keep the part of each gradient that
 quantization lost and add it to the next one,
 
     u = g + e,   send Q(u),   e ← u − decode(Q(u)),

@@ -1,6 +1,6 @@
 """Elias omega ("recursive Elias") and Elias gamma codes of positive integers, MSB-first bit streams.
 
-**Omega** (ALGORITHMS.md §1.1; QSGD paper 000/004, section 3.1 and appendix A). The code of ``k ≥ 1``:
+**Omega** (docs/algorithms.md; QSGD [QSGD], [QSGD-full], section 3.1 and appendix A). The code of ``k ≥ 1``:
 start from ``0``; while ``k > 1`` prepend the binary form of ``k`` and set ``k ← bitlength(k) − 1``.
 Examples: ``1 → 0``, ``2 → 100``, ``3 → 110``, ``4 → 101000``. Decode: ``N ← 1``; while the next bit is
 1, read that bit and the ``N`` bits after it as a binary number and make it the new ``N``; a 0 bit ends

@@ -1,4 +1,4 @@
-"""Variable-length bit streams of QSGD codes ``c_i ∈ [−s, s]`` built on Elias omega (ALGORITHMS.md §1.1).
+"""Variable-length bit streams of QSGD codes ``c_i ∈ [−s, s]`` built on Elias omega (docs/algorithms.md).
 
 Every stream starts with one **layout flag bit** (0 = sparse, 1 = dense) **[decided: explicit layouts
 carry it too, so every stream is self-describing]**, then one of two bodies, MSB-first (see

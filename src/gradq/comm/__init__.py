@@ -3,7 +3,7 @@
 A quantizer never touches the network; these functions do. Each takes a flat (or any-shaped) floating
 tensor ``x`` holding this worker's gradient, a quantizer ``q`` (equal on every rank) and a process group,
 and returns, on every rank, the same tensor: the AVERAGE over workers of the decoded gradients
-(ALGORITHMS.md §6):
+(docs/algorithms.md):
 
 * :func:`allgather_mean` — any quantizer; payloads all-gathered, every rank decodes all ``M``.
 * :func:`shared_scale_allreduce` — summable quantizers; integer codes summed inside an all-reduce.

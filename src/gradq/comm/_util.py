@@ -225,7 +225,7 @@ def sum_over_ranks(x: torch.Tensor, group: Any = None, *, what: str = "the all-r
     more sent than by a ring) goes through ONE all-to-all: every
     rank sends its whole vector to every other and adds the ``M`` copies in rank order 0..M−1. A ring
     all-reduce takes ``2(M−1)`` dependent steps, each a wake-up of every rank — most of its time for a
-    few kilobytes (measured, 4 gloo ranks on 2 cores: 5.4 ms against 2.5 ms for the all-to-all) — and
+    few kilobytes (docs/performance.md, "The DDP hook", has the measurement) — and
     the rank-order sum does not depend on where a value sits in the vector. Larger vectors send a
     ring's ``2(M−1)/M`` of the bytes instead of ``M−1`` times them: by two all-to-alls (still added in
     rank order) up to :data:`TWO_ROUND_BYTES` on CPU with more than 2 ranks, else by the backend's
@@ -381,11 +381,8 @@ def ring_all_gather(buf: torch.Tensor, group, sizes: Optional[Sequence[int]] = N
     In round ``k = 0 … M−2`` rank ``r`` forwards block ``r−k`` to rank ``r+1`` and receives block
     ``r−k−1`` from rank ``r−1`` (indices mod ``M``): every worker sends ``(M−1)`` blocks over one
     connection, the ring all-gather of the traffic formulas. ``sizes``: every rank's element count
-    (default: all equal to ``buf``'s). Blocks travel unpadded.
-
-    Measured with gloo, 4 ranks, 12.5 MB in all (``benchmarks/bench_collectives.py``): 14 ms on
-    loopback against 47–71 ms for gloo's ``all_gather``/``all_gather_into_tensor``, and 81 ms against
-    96–101 ms on 1 Gbit/s links (75 ms ideal)."""
+    (default: all equal to ``buf``'s). Blocks travel unpadded. Against gloo's own all-gathers
+    (``benchmarks/bench_collectives.py``): docs/performance.md, "Compressed collectives over gloo"."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sizes = [buf.numel()] * world if sizes is None else [int(s) for s in sizes]
     if sizes[rank] != buf.numel():

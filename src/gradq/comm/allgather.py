@@ -1,4 +1,4 @@
-"""All-gather of payloads (ALGORITHMS.md §6, first bullet): works with ANY quantizer.
+"""All-gather of payloads (docs/algorithms.md, first bullet): works with ANY quantizer.
 
 Every worker encodes its gradient, serializes the payload (:meth:`Payload.to_bytes`), the byte buffers
 are all-gathered (zero-padded to the largest, after an exchange of sizes when the quantizer's size is

@@ -1,4 +1,4 @@
-"""Shared-scale integer all-reduce (ALGORITHMS.md §6, second bullet): summable quantizers only.
+"""Shared-scale integer all-reduce (docs/algorithms.md, second bullet): summable quantizers only.
 
 Steps, for ``M`` workers holding ``g^m``:
 
@@ -10,7 +10,7 @@ Steps, for ``M`` workers holding ``g^m``:
    (:func:`code_dtype`: int8 only when ``M·s ≤ 127``) — float casts (``none``/``fp16``/``bf16``, whose
    ``max_code`` is ``None``) are summed in their own dtype;
 4. ``q.decode_codes(Σ_m c^m, shared=reduced, count=M)`` is the average of the workers' decodes
-   (e.g. QSGDMaxNorm: ``w·Σ_m c^m/(s·M)``, paper 002 §3.1).
+   (e.g. QSGDMaxNorm: ``w·Σ_m c^m/(s·M)``, [Vineeth] §3.1).
 
 Fast path (MaxNorm, TernGrad on CPU): the codes come from the fused kernel as uint8 *fields*
 ``c + s`` (:meth:`SummableQuantizer.encode_fields`, the same codes); the SUM of ``M`` workers' fields is

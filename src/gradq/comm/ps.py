@@ -1,4 +1,4 @@
-"""Parameter server (ALGORITHMS.md §6, fourth bullet; papers 001, 003), synchronous variant.
+"""Parameter server (docs/algorithms.md, fourth bullet; [TernGrad], [OptQuant]), synchronous variant.
 
 Every rank of the group is a worker (the server too): each encodes its gradient, the payloads are
 gathered at rank ``server`` (zero-padded to the largest after a gather of sizes when the size is

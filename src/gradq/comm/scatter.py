@@ -1,4 +1,4 @@
-"""Scatter-reduce / all-gather with packed codes (ALGORITHMS.md §6, third bullet): any quantizer.
+"""Scatter-reduce / all-gather with packed codes (docs/algorithms.md, third bullet): any quantizer.
 
 What CGX, DeepSpeed and Bagua do so that sub-byte codes can travel through an all-reduce-shaped
 exchange. With ``M`` workers and ``n`` coordinates:

@@ -1,4 +1,4 @@
-"""Convex-side experiments of the QSGD paper (paper 000/004, section 3 and appendix F).
+"""Convex-side experiments of the QSGD paper ([QSGD], [QSGD-full], section 3 and appendix F).
 
 * :mod:`.problems` — smooth, strongly convex problems with a known optimum (least squares, logistic
   regression; synthetic or scikit-learn digits) and sample sharding over simulated workers.

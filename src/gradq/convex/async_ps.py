@@ -1,4 +1,4 @@
-"""Asynchronous QSGD on a parameter server (QSGD paper 004, appendix D; ALGORITHMS.md §7).
+"""Asynchronous QSGD on a parameter server (QSGD [QSGD-full], appendix D; docs/algorithms.md).
 
 The model of appendix D (after Lian et al. 2015, section 3): a star network, a server holding ``x``, and
 workers that read a consistent copy of ``x``, compute a stochastic gradient and push it while other

@@ -10,7 +10,7 @@ Every problem is an L2-regularized empirical risk over ``N`` samples ``(a_j, b_j
   ``ℓ'' ≤ 1/4`` gives ``L = λ_max(AᵀA)/(4N) + reg``; ``mu = reg``; ``x*`` by damped Newton to a gradient
   norm ≤ 1e-13 (quadratic convergence, so f* is exact to float64 rounding).
 
-These are the ``f`` of the QSGD paper's convex results (paper 000/004, section 3: Theorem 3.4 for SGD
+These are the ``f`` of the QSGD paper's convex results ([QSGD], [QSGD-full], section 3: Theorem 3.4 for SGD
 with ``Q_s``, Theorem 3.6 for QSVRG, appendix F for quantized gradient descent): smooth, strongly
 convex, with ``f* = min f`` known to float64 precision so the suboptimality ``f(x) − f*`` can be
 followed down to ~1e-10 and below (least squares evaluates it as ``½(x − x*)ᵀH(x − x*)``, free of

@@ -1,4 +1,4 @@
-"""Quantized SVRG (QSVRG) against plain QSGD (QSGD paper, section 3.3, Theorem 3.6; ALGORITHMS.md §7).
+"""Quantized SVRG (QSVRG) against plain QSGD (QSGD paper, section 3.3, Theorem 3.6; docs/algorithms.md).
 
 ``f = (1/N) Σ_j f_j`` smooth and strongly convex, the samples split over ``K`` simulated workers.
 QSVRG, epoch ``p`` (``y^(1) = 0``):

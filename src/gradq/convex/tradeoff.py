@@ -1,6 +1,6 @@
 """Communication against convergence: SGD with QSGD's ``Q_s`` for a range of ``s`` (QSGD paper, section 3.2).
 
-Setting (paper 000/004, section 3.2, Theorem 3.4). ``K`` workers, simulated in one process, each hold a
+Setting ([QSGD], [QSGD-full], section 3.2, Theorem 3.4). ``K`` workers, simulated in one process, each hold a
 shard of the samples of a smooth, strongly convex ``f`` (:mod:`gradq.convex.problems`). In iteration ``t``
 worker ``i`` draws a minibatch of ``batch`` samples from its shard, computes the stochastic gradient
 ``g_i``, and sends ``Q_s(g_i)`` (``qsgd:levels=s,norm=l2,bucket=none``: the analysed scheme, one bucket);

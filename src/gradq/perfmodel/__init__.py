@@ -1,9 +1,9 @@
 r"""Performance model: predicted time per iteration and throughput of data-parallel training with
-compressed gradients, at scales one machine cannot run (ALGORITHMS.md §8).
+compressed gradients, at scales one machine cannot run (docs/algorithms.md).
 
-The idea is paper 001's (TernGrad, section 5 and its supplementary material, which extends Yan et al.,
+The idea is [TernGrad]'s (TernGrad, section 5 and its supplementary material, which extends Yan et al.,
 KDD 2015): combine lightweight profiling on one machine (compute time, codec time) with an analytical
-model of communication; paper 002 (section 5.6, figures 11–14) reuses it with the tree formula below.
+model of communication; [Vineeth] (section 5.6, figures 11–14) reuses it with the tree formula below.
 Pure arithmetic: nothing here measures anything; a gradq spec is only asked for its wire size.
 
     from gradq import perfmodel as pm
@@ -32,7 +32,7 @@ Communication, ``formula="ring"`` (default; the one the CLI uses unless ``--form
 α–β model (Hockney): a step that sends ``x`` bytes takes ``α + x/B``. Two levels: a ring inside each
 node, then a ring across nodes through each node's link.
 
-* ``allreduce`` (ring all-reduce, ALGORITHMS.md §6, 2(M−1)/M·S per worker in 2(M−1) steps) and
+* ``allreduce`` (ring all-reduce, docs/algorithms.md, 2(M−1)/M·S per worker in 2(M−1) steps) and
   ``scatter`` (scatter-reduce/all-gather of packed codes: the same volume at the compressed size)::
 
       t_intra = 2(g−1)·L·α_i + 2(g−1)/g · S/B_i
@@ -46,7 +46,7 @@ node, then a ring across nodes through each node's link.
       t_inter = (N−1)·(L·α_n + g·S/B_n)        t_intra = (g−1)·(L·α_i + N·S/B_i)
 
   flat: ``(M−1)·(L·α + S/B)``, i.e. (M−1)·S per worker.
-* ``ps`` (one dedicated server, or k sharing the gradient; papers 001/003): every worker pushes S,
+* ``ps`` (one dedicated server, or k sharing the gradient; [TernGrad], [OptQuant]): every worker pushes S,
   the server link carries M·S/k in, then M·S'/k out, with S' = 4n (fp32 pull, default) or S
   (``ps_requantize``); a node link carries g·S::
 
@@ -54,10 +54,10 @@ node, then a ring across nodes through each node's link.
 
   (gradq.comm.ps colocates the server with a worker, which moves (M−1)·S instead of M·S.)
 
-Communication, ``formula="paper002"`` (paper 002, all-reduce and scatter only)
+Communication, ``formula="paper002"`` ([Vineeth], all-reduce and scatter only)
 ------------------------------------------------------------------------------
 ``t_comm = S/B_i · log2(g) + (L·α_n + S/B_n) · log2(N)`` — a reduction tree inside the node and one
-across nodes, as in paper 002's ``S/B_intra·log2(G_node) + (α + S/B_net)·log2(N_nodes)``; log2 is taken
+across nodes, as in [Vineeth]'s ``S/B_intra·log2(G_node) + (α + S/B_net)·log2(N_nodes)``; log2 is taken
 as ceil(log2) tree levels (equal for powers of two); it has no intra-node latency term.
 
 Codec (measured time of ONE encode ``e`` / decode ``d`` of the whole gradient:
@@ -71,7 +71,7 @@ codec hides behind the transfers; the model does not credit that (an upper bound
 
 Iteration time and throughput
 -----------------------------
-Without overlap (default, as paper 002's formula): ``T = t_compute + t_encode + t_decode + t_comm``.
+Without overlap (default, as [Vineeth]'s formula): ``T = t_compute + t_encode + t_decode + t_comm``.
 With overlap, communication hides behind the last fraction ``f`` of the compute (the backward pass;
 default f = 2/3 [assumption]), while the codec competes with compute for the GPU and does not hide
 [decided]::

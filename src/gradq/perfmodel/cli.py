@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--decode-ms-per-mb", type=float, help="measured decode ms per MB of fp32 gradient (default 0)")
     q.add_argument("--protocol", choices=PROTOCOLS, default="allreduce", help="default: allreduce")
     q.add_argument("--formula", choices=FORMULAS, default="ring",
-                   help="ring: two-level ring α–β (default); paper002: paper 002's tree formula")
+                   help="ring: two-level ring α–β (default); paper002: [Vineeth]'s tree formula")
     q.add_argument("--ps-requantize", action="store_true", help="ps: the server sends the average re-encoded "
                                                                 "(default: fp32)")
     q.add_argument("--ps-servers", type=int, default=1, help="ps: servers sharing the gradient (default 1)")

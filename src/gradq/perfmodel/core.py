@@ -23,7 +23,7 @@ __all__ = [
 
 #: protocol names ("auto" picks per worker count as gradq.comm.choose_protocol does)
 PROTOCOLS = ("allreduce", "scatter", "allgather", "ps", "auto")
-#: communication formulas: two-level ring α–β (default) or paper 002's tree formula
+#: communication formulas: two-level ring α–β (default) or [Vineeth]'s tree formula
 FORMULAS = ("ring", "paper002")
 #: GPU counts of a default sweep: 1, 2, 4, …, 512
 DEFAULT_SWEEP = tuple(2**k for k in range(10))
@@ -173,7 +173,7 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
             :func:`~gradq.perfmodel.components.compressor_from` for ``model``).
         workers: number of GPUs ``M`` (≥ 1).
         protocol: ``"allreduce"`` (default), ``"scatter"``, ``"allgather"``, ``"ps"`` or ``"auto"``.
-        formula: ``"ring"`` (default, two-level ring α–β) or ``"paper002"`` (paper 002's tree formula).
+        formula: ``"ring"`` (default, two-level ring α–β) or ``"paper002"`` ([Vineeth]'s tree formula).
         overlap: hide communication behind the last ``overlap_fraction`` of the compute (default off).
         overlap_fraction: in [0, 1], default 2/3 (the backward pass) [assumption].
         ps_requantize: ``ps``: the server sends the average re-encoded (else fp32). Default False.

@@ -62,17 +62,17 @@ _ALEX = _alexnet_layers()
 _VGG_A = _vgg_layers([64, 128, 256, 256, 512, 512, 512, 512])
 _VGG16 = _vgg_layers([64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512])
 
-#: networks by name. Batch sizes: paper 001 figure 5 (AlexNet 128, GoogLeNet 64, VggNet-A 32 per GPU),
-#: paper 002 §5 (128 per worker on CIFAR-10); compute times: assumptions (see each note).
+#: networks by name. Batch sizes: [TernGrad] figure 5 (AlexNet 128, GoogLeNet 64, VggNet-A 32 per GPU),
+#: [Vineeth] §5 (128 per worker on CIFAR-10); compute times: assumptions (see each note).
 NETWORKS: dict[str, NetworkPreset] = {
     "alexnet": NetworkPreset(sum(_ALEX), 60.0, 128, _ALEX, note=(
-        "60,965,224 params (244 MB fp32), 16 tensors; batch 128 (paper 001 fig. 5); compute 60 ms "
+        "60,965,224 params (244 MB fp32), 16 tensors; batch 128 ([TernGrad] fig. 5); compute 60 ms "
         "assumed (~2,100 img/s, GTX 1080 class)")),
     "googlenet": NetworkPreset(6_800_000, 130.0, 64, None, 1, note=(
-        "~6.8M params (Inception v1 paper's count; paper 001 says GoogLeNet), layer sizes not modelled; "
-        "batch 64 (paper 001 fig. 5); compute 130 ms assumed (~500 img/s, GTX 1080 class)")),
+        "~6.8M params (Inception v1 paper's count; [TernGrad] says GoogLeNet), layer sizes not modelled; "
+        "batch 64 ([TernGrad] fig. 5); compute 130 ms assumed (~500 img/s, GTX 1080 class)")),
     "vgg-a": NetworkPreset(sum(_VGG_A), 160.0, 32, _VGG_A, note=(
-        "VggNet-A = VGG-11, 132,863,336 params, 22 tensors; batch 32 (paper 001 fig. 5); compute 160 ms "
+        "VggNet-A = VGG-11, 132,863,336 params, 22 tensors; batch 32 ([TernGrad] fig. 5); compute 160 ms "
         "assumed (~200 img/s, GTX 1080 class)")),
     "vgg16": NetworkPreset(sum(_VGG16), 290.0, 32, _VGG16, note=(
         "138,357,544 params (553 MB fp32), 32 tensors; batch 32 assumed; compute 290 ms assumed "
@@ -81,11 +81,11 @@ NETWORKS: dict[str, NetworkPreset] = {
         "25,557,032 params in 161 tensors (ImageNet ResNet-50); batch 64 assumed; compute 180 ms "
         "assumed (~360 img/s fp32, V100 class)")),
     "resnet50-cifar": NetworkPreset(23_520_842, 50.0, 128, None, 161, note=(
-        "23,520,842 params in 161 tensors (paper 002 appendix B, CIFAR-10); batch 128 (paper 002 §5); "
+        "23,520,842 params in 161 tensors ([Vineeth] appendix B, CIFAR-10); batch 128 ([Vineeth] §5); "
         "compute 50 ms assumed (V100 class, 32x32 inputs)")),
     "vgg16-cifar": NetworkPreset(14_728_266, 20.0, 128, None, 54, note=(
-        "14,728,266 params in 54 tensors (paper 002 appendix B, CIFAR-10, with batch norm); batch 128 "
-        "(paper 002 §5); compute 20 ms assumed (V100 class, 32x32 inputs)")),
+        "14,728,266 params in 54 tensors ([Vineeth] appendix B, CIFAR-10, with batch norm); batch 128 "
+        "([Vineeth] §5); compute 20 ms assumed (V100 class, 32x32 inputs)")),
 }
 
 #: clusters by name; inter-node bandwidth and GPUs per node from the papers, the rest assumed.
@@ -93,17 +93,17 @@ CLUSTERS: dict[str, Cluster] = {
     "1gbit-ethernet": Cluster(
         bandwidth=parse_rate("1gbit"), latency_s=50e-6, gpus_per_node=4, intra_bandwidth=parse_rate("10GB/s"),
         intra_latency_s=5e-6, name="1gbit-ethernet", note=(
-            "paper 001 fig. 5(a): 4 GPUs per node on one PCI switch, 1 Gbit/s Ethernet; assumed: "
+            "[TernGrad] fig. 5(a): 4 GPUs per node on one PCI switch, 1 Gbit/s Ethernet; assumed: "
             "PCIe peer-to-peer 10 GB/s, 5 us intra latency, 50 us TCP latency")),
     "10gbit-ethernet": Cluster(
         bandwidth=parse_rate("10gbit"), latency_s=30e-6, gpus_per_node=4, intra_bandwidth=parse_rate("25GB/s"),
         intra_latency_s=3e-6, name="10gbit-ethernet", note=(
-            "paper 002 §5.6: 4 V100 per node with NVLink, 10 Gbit/s Ethernet; assumed: NVLink 25 GB/s "
+            "[Vineeth] §5.6: 4 V100 per node with NVLink, 10 Gbit/s Ethernet; assumed: NVLink 25 GB/s "
             "(one NVLink 2.0 link per direction), 3 us intra latency, 30 us TCP latency")),
     "100gbit-infiniband": Cluster(
         bandwidth=parse_rate("100gbit"), latency_s=2e-6, gpus_per_node=4, intra_bandwidth=parse_rate("40GB/s"),
         intra_latency_s=3e-6, name="100gbit-infiniband", note=(
-            "paper 001 fig. 5(b): 4 P100 per node via NVLink, 100 Gbit/s InfiniBand; assumed: NVLink "
+            "[TernGrad] fig. 5(b): 4 P100 per node via NVLink, 100 Gbit/s InfiniBand; assumed: NVLink "
             "40 GB/s (two NVLink 1.0 links), 3 us intra latency, 2 us InfiniBand latency")),
 }
 

@@ -61,7 +61,7 @@ def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
     Screens with one sum (float32 accumulation): in IEEE arithmetic a NaN or Inf element makes the sum
     NaN or Inf whatever the order, so a finite sum proves every element finite. Only a non-finite sum
     (a real NaN/Inf, or finite values whose sum overflows) pays for the exact element-wise check. The
-    screen runs at memory speed (~3 ms for 25M values here, against ~100 ms for ``isfinite().all()``)."""
+    screen runs at memory speed, far faster than ``isfinite().all()``."""
     if not x.numel():
         return
     acc = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)

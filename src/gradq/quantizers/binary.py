@@ -1,9 +1,9 @@
-"""One-bit quantizers: BinGrad-pb, BinGrad-b, scaled SignSGD (paper 003) and 1BitSGD (Seide et al.).
+"""One-bit quantizers: BinGrad-pb, BinGrad-b, scaled SignSGD ([OptQuant]) and 1BitSGD (Seide et al.).
 
 All four send one bit per coordinate (packed 8 to a byte) plus one or two float32 per bucket; every
 per-bucket statistic uses the bucket's real size (the last partial bucket is not zero-padded).
 
-**BinGrad-pb** ([reconstructed] paper 003, ALGORITHMS.md §4): levels ``±b``. Values with ``|g| ≤ b`` are
+**BinGrad-pb** ([reconstructed] [OptQuant], docs/algorithms.md): levels ``±b``. Values with ``|g| ≤ b`` are
 rounded stochastically between ``−b`` and ``+b`` (``P(+b) = (g + b)/(2b)``, unbiased there), larger ones
 are clipped to ``sign(g)·b``. ``b`` minimizes the expected squared error
 
@@ -18,15 +18,15 @@ We take the first ``k`` with ``d·a_{k+1} ≥ S_k`` (the minimizer lies in that 
 value ``b = a_k`` and the condition holds as the subgradient inequality
 ``b·#{|g| < b} ≤ Σ_{|g|>b}(|g| − b) ≤ b·#{|g| ≤ b}``. Biased (clipping). Wire: 1 bit + 1 float32 ``b``.
 
-**BinGrad-b** ([reconstructed] paper 003, deterministic): threshold ``t`` = bucket mean; ``b_0 = mean{g < t}``,
+**BinGrad-b** ([reconstructed] [OptQuant], deterministic): threshold ``t`` = bucket mean; ``b_0 = mean{g < t}``,
 ``b_1 = mean{g ≥ t}``; each value maps to its side's level. ``iters`` optional Lloyd iterations
 ``t ← (b_0 + b_1)/2`` then recompute ``b_0, b_1`` (never increase the squared error). An empty side's
 level is ``t``. Biased, minimal error among these. Wire: 1 bit + 2 float32 ``(b_0, b_1)``.
 
-**Scaled SignSGD** ([reconstructed] paper 003's baseline): ``(‖g‖₁/d)·sign(g)``, ``sign(0)`` read as ``+`` (a zero
+**Scaled SignSGD** ([reconstructed] [OptQuant]'s baseline): ``(‖g‖₁/d)·sign(g)``, ``sign(0)`` read as ``+`` (a zero
 bucket has scale 0, so zeros still decode to zero). Biased. Wire: 1 bit + 1 float32.
 
-**1BitSGD** (Seide et al., compared in paper 004; ALGORITHMS.md §5): bit ``g ≥ 0``; the two
+**1BitSGD** (Seide et al., compared in [QSGD-full]; docs/algorithms.md): bit ``g ≥ 0``; the two
 reconstruction values are the means of the entries with bit 1 (non-negative, zero included) and with
 bit 0 (negative). **[decided]**: an empty group's value is 0 (never decoded). Error feedback is on by
 default: ``build("onebit")`` is ``ErrorFeedback(OneBit)``; ``onebit:ef=0`` is the bare quantizer.
@@ -95,7 +95,7 @@ class _OneBit(Quantizer):
 class BinGradPB(_OneBit):
     """BinGrad-pb: levels ``±b`` with the error-minimizing ``b``, stochastic inside, clipped outside.
 
-    Spec: ``bingrad-pb:bucket=512`` (default). [reconstructed] paper 003. Biased (clipping).
+    Spec: ``bingrad-pb:bucket=512`` (default). [reconstructed] [OptQuant]. Biased (clipping).
     Wire: 1 bit per coordinate + 1 float32 per bucket.
     """
 
@@ -126,7 +126,7 @@ class BinGradB(_OneBit):
 
 @register("signsgd")
 class SignSGD(_OneBit):
-    """Scaled SignSGD: ``(‖g‖₁/d)·sign(g)`` per bucket (paper 003's baseline).
+    """Scaled SignSGD: ``(‖g‖₁/d)·sign(g)`` per bucket ([OptQuant]'s baseline).
 
     Spec: ``signsgd:bucket=512`` (default). Biased. Wire: 1 bit per coordinate + 1 float32 per bucket.
     """

@@ -1,4 +1,4 @@
-"""All-reduce-compatible quantizers of paper 002 (Vineeth S): QSGDMaxNorm (§3.1).
+"""All-reduce-compatible quantizers of [Vineeth] (Vineeth S): QSGDMaxNorm (§3.1).
 
 **QSGDMaxNorm.** Every worker scales by the same ``w = max_m ‖g^m‖`` (a MAX all-reduce of the
 per-bucket norms; in one process, the vector's own norm), so its codes

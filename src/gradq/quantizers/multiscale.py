@@ -1,4 +1,4 @@
-"""Multi-scale and globally sparsified all-reduce-compatible quantizers of paper 002 (Vineeth S).
+"""Multi-scale and globally sparsified all-reduce-compatible quantizers of [Vineeth] (Vineeth S).
 
 **QSGDMaxNormMultiScale** (§3.2, Eqs. 10–13). Scales ``s_1 < … < s_N`` come from bit widths
 (``s_j = 2^(b_j−1) − 1``; ``bits=2+6`` gives 1 and 31). With the shared scale ``w`` (MAX over workers of

@@ -1,4 +1,4 @@
-"""Optimal random-rounding levels: ORQ-L and its naive baseline Linear-L (paper 003, §4 of ALGORITHMS.md).
+"""Optimal random-rounding levels: ORQ-L and its naive baseline Linear-L ([OptQuant], §4 of docs/algorithms.md).
 
 **Rounding between levels.** For sorted levels ``b_0 ≤ … ≤ b_{L−1}`` of a bucket (``b_0 = min``,
 ``b_{L−1} = max``, so every value lies between two adjacent levels), a value ``g ∈ [b_{i−1}, b_i]`` is
@@ -91,7 +91,7 @@ class _LevelQuantizer(Quantizer):
 
 @register("orq")
 class ORQ(_LevelQuantizer):
-    """ORQ-L: greedy optimal random-rounding levels per bucket ([reconstructed] paper 003, Algorithm 1).
+    """ORQ-L: greedy optimal random-rounding levels per bucket ([reconstructed] [OptQuant], Algorithm 1).
 
     Spec: ``orq:levels=5,bucket=512`` (defaults; ``levels`` ∈ {3, 5, 9, 17}). Unbiased.
     Wire: ``ceil(log2 L)`` bits per coordinate + ``L`` float32 levels per bucket.
@@ -103,7 +103,7 @@ class ORQ(_LevelQuantizer):
 
 @register("linear")
 class Linear(_LevelQuantizer):
-    """Linear-L: levels at the bucket's empirical quantiles ``i/(L−1)`` (paper 003's naive baseline).
+    """Linear-L: levels at the bucket's empirical quantiles ``i/(L−1)`` ([OptQuant]'s naive baseline).
 
     Spec: ``linear:levels=5,bucket=512`` (defaults; ``levels`` ∈ {3, 5, 9, 17}). Unbiased.
     Wire: ``ceil(log2 L)`` bits per coordinate + ``L`` float32 levels per bucket.

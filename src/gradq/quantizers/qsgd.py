@@ -1,4 +1,4 @@
-"""QSGD: stochastic uniform quantization with ``s`` levels per sign (papers 000/004, Alistarh et al.).
+"""QSGD: stochastic uniform quantization with ``s`` levels per sign ([QSGD], [QSGD-full], Alistarh et al.).
 
 For a bucket ``v`` of ``d`` coordinates with norm ``‖v‖`` (L2, or max-abs as in the paper's
 experiments — the default here), each coordinate becomes the integer code
@@ -8,14 +8,14 @@ experiments — the default here), each coordinate becomes the integer code
 and decodes to ``‖v‖·c_i/s``. Stochastic rounding makes the result unbiased. For the L2 norm, Lemma 3.1
 bounds the variance per bucket by ``E‖Q(v) − v‖² ≤ min(d/s², √d/s)·‖v‖²``.
 
-Bits (ALGORITHMS.md §0): ``bits=b`` means ``s = 2^(b−1) − 1`` (2 bits: ternary; 4 bits: s = 7;
+Bits (docs/algorithms.md): ``bits=b`` means ``s = 2^(b−1) − 1`` (2 bits: ternary; 4 bits: s = 7;
 8 bits: s = 127), stored as ``b``-bit offset-binary fields ``c + s``; ``levels=s`` may be given instead
 (field width ``ceil(log2(2s+1))``).
 
 Wire (``coding=fixed``, the default): ``ceil(n·width/8)`` bytes of packed codes + one float32 scale per
 bucket (+ the 26-byte payload header).
 
-**Elias coding** (section 3.1, Theorem 3.2, Corollary 3.3; ALGORITHMS.md §1.1): ``coding=elias-sparse``
+**Elias coding** (section 3.1, Theorem 3.2, Corollary 3.3; docs/algorithms.md): ``coding=elias-sparse``
 writes the paper's sparse layout (Elias-coded gaps, signs, magnitudes), ``coding=elias-dense`` the
 ``s ≈ √n`` layout (Elias(|c|+1) and a sign per coordinate), ``coding=elias`` the shorter of the two per
 payload (one flag bit) — see :mod:`gradq.codecs.qsgd_stream`. The codes are exactly those of the fixed

@@ -1,4 +1,4 @@
-"""Sparsification baselines (ALGORITHMS.md §5): Top-K and Rand-K.
+"""Sparsification baselines (docs/algorithms.md): Top-K and Rand-K.
 
 Both keep ``K`` of the ``n`` coordinates of ``v`` and zero the rest, with
 
@@ -15,10 +15,10 @@ Wire: ``K`` float32 values + ``K`` indices (int32, or int64 when ``n > 2**31 −
 ascending, i.e. ``8K`` bytes (``12K`` with int64 indices) + the 26-byte payload header.
 
 **Rand-K** keeps ``K`` coordinates chosen uniformly at random without replacement from a seed the
-workers share (ALGORITHMS.md §0, §3.3): the receiver regenerates the coordinates from the seed, so no
+workers share (docs/algorithms.md, §3.3): the receiver regenerates the coordinates from the seed, so no
 indices cross the wire. With ``rescale=1`` the kept values are multiplied by ``n/K``, which makes the
 scheme unbiased (each coordinate is kept with probability ``K/n``), with variance
-``E‖v̂ − v‖² = (n/K − 1)·‖v‖²``; without it (the default, as in paper 002) ``E v̂ = (K/n)·v``.
+``E‖v̂ − v‖² = (n/K − 1)·‖v‖²``; without it (the default, as in [Vineeth]) ``E v̂ = (K/n)·v``.
 Wire: ``K`` float32 values + the 64-bit seed, i.e. ``4K + 8`` bytes + the 26-byte header.
 
 The shared selection (:func:`shared_random_indices`) is also used by GlobalRandK (§3.3).

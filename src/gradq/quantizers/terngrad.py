@@ -1,4 +1,4 @@
-"""TernGrad: stochastic ternary gradients with a shared scaler (paper 001, Wen et al.).
+"""TernGrad: stochastic ternary gradients with a shared scaler ([TernGrad], Wen et al.).
 
 Per layer (one tensor per call; optional buckets), TernGrad first clips the gradient (Eq. 21)
 
