@@ -184,10 +184,27 @@ class QSGD(Quantizer):
         return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        if self.coding != "fixed":
+        if self.coding == "fixed":
+            kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+            return True
+        if self.coding == "ans" or self.s > 127:
             return False
-        kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel, out=out)
+        kernels.uniform_decode(self._stream_fields(fields, numel).to(out.device), fields["scales"], self.s,
+                               self.bucket, 8, numel, out=out)
         return True
+
+    def _stream_fields(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        """The uint8 fields ``c + s`` of an Elias-coded payload (its CRC checked first)."""
+        from ..codecs.qsgd_stream import decode_fields_stream
+
+        self._check_crc(fields, numel)
+        return decode_fields_stream(fields["stream"], numel, self.s)
+
+    def _check_crc(self, fields: Mapping[str, torch.Tensor], numel: int) -> None:
+        names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
+        if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
+            raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
+                               "(truncated, extended or altered bytes)")
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
@@ -200,16 +217,11 @@ class QSGD(Quantizer):
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         if self.coding == "fixed":
             return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
-        names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
-        if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
-            raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
-                               "(truncated, extended or altered bytes)")
         if self.coding != "ans" and self.s <= 127:
-            from ..codecs.qsgd_stream import decode_fields_stream
-
-            f8 = decode_fields_stream(fields["stream"], numel, self.s)
+            f8 = self._stream_fields(fields, numel)
             return kernels.uniform_decode(f8.to(fields["scales"].device), fields["scales"], self.s, self.bucket, 8,
                                           numel)
+        self._check_crc(fields, numel)
         if self.coding == "ans":
             codes = ans_decode_codes(fields, numel, self.s)
         else:
