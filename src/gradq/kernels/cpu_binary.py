@@ -35,8 +35,9 @@ chunk is a multiple of 8) or over chunks of a multiple of 40 elements (bits for 
 buckets are too long to fit a chunk); the boundaries depend on ``n`` and ``bucket`` only, so the
 output does not depend on the number of threads. A single bucket is reduced by one thread.
 
-Helpers are imported from :mod:`gradq.kernels.cpu` and inlined here; numba's on-disk cache keys on
-*this* file's timestamp, so after editing a helper there, touch this file (or clear ``__pycache__``).
+Helpers are imported from :mod:`gradq.kernels.cpu` and inlined here; the compiled code is cached in a
+directory keyed by the sources of every kernel module (:mod:`gradq.kernels.numba_cache`), so an edit
+of a helper there recompiles this module too.
 """
 
 from __future__ import annotations

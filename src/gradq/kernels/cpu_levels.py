@@ -1,6 +1,6 @@
 """Numba CPU kernels for ORQ-L / Linear-L: per-bucket levels, fused with rounding and packing.
 
-They reproduce, bit for bit, :func:`gradq.quantizers.orq.orq_levels` / ``linear_levels`` (the
+They reproduce, bit for bit, :func:`gradq.kernels.reference.orq_levels` / ``linear_levels`` (the
 plain-torch references, one bucket per row) followed by ``round_to_levels`` and ``pack_bits``:
 
 * **Sorting.** The reference sorts each bucket with ``torch.sort``: libstdc++'s ``std::sort``, an
@@ -35,8 +35,9 @@ released; :mod:`gradq.kernels.levels` spreads the ranges over threads. No result
 thread count. (A ``prange`` kernel re-optimizes every callee inside its parallel region, which more
 than doubled the first-call compile time of this module.)
 
-Numba's cache is invalidated only by edits to the file that defines a kernel: after editing a helper
-imported from :mod:`gradq.kernels.cpu`, touch this file too.
+Compiled code is cached in a directory keyed by the sources of every kernel module
+(:mod:`gradq.kernels.numba_cache`), so an edit of a helper in :mod:`gradq.kernels.cpu` recompiles
+this module too.
 """
 
 from __future__ import annotations
