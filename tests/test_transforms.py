@@ -96,3 +96,35 @@ def test_summable_codes_update_the_residual():
     codes = ef.encode_codes(x, shared={"scale": w}, seed=3, name="p")
     mine = ef.decode_codes(codes, shared={"scale": w}, count=1, like=x)
     assert torch.allclose(ef.residuals["p"], x - mine)
+
+
+def test_explicit_state_steps_equal_the_held_state_and_leave_their_input_alone():
+    """encode_with(x, state) is the step encode() makes on the held state; the state passed in is not
+    changed, so two runs can share one wrapper, and a state saved mid-run restores exactly."""
+    from gradq.transforms import ErrorFeedbackState
+
+    xs = [torch.randn(200, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    held = gradq.build("ef(qsgd:bits=2,bucket=32)")
+    free = gradq.build("ef(qsgd:bits=2,bucket=32)")
+    state = free.init_state()
+    assert isinstance(state, ErrorFeedbackState) and state.residuals == {}
+    for i, x in enumerate(xs):
+        before = {k: v.clone() for k, v in state.residuals.items()}
+        p_free, new = free.encode_with(x, state, seed=i, name="w")
+        assert state.residuals.keys() == before.keys()
+        assert all(torch.equal(state.residuals[k], before[k]) for k in before)   # untouched
+        state = new
+        assert held.encode(x, seed=i, name="w").same_bytes(p_free)
+        assert torch.equal(held.residuals["w"], state.residuals["w"])
+    assert free.residuals == {}   # the free wrapper's held state never moved
+    other = gradq.build("ef(qsgd:bits=2,bucket=32)")
+    other.load_state_dict({"spec": other.spec, "residuals": state.state_dict()})
+    assert other.encode(xs[0], seed=9, name="w").same_bytes(free.encode_with(xs[0], state, seed=9, name="w")[0])
+
+
+def test_explicit_state_for_summable_codes():
+    ef = gradq.build("ef(maxnorm:bits=2,bucket=16)")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    codes, state = ef.encode_codes_with(x, ef.init_state(), seed=1, name="p")
+    assert torch.equal(codes, ef.encode_codes(x, seed=1, name="p"))
+    assert torch.equal(state.residuals["p"], ef.residuals["p"])

@@ -6,14 +6,17 @@ quantization lost and add it to the next one,
     u = g + e,   send Q(u),   e ← u − decode(Q(u)),
 
 per tensor. It makes biased quantizers (signs, Top-K) converge, at the price of per-step bias. The
-residuals are keyed by the ``name=`` given to ``encode`` (one per parameter in the DDP hook) and can be
-saved with :meth:`ErrorFeedback.state_dict` and restored with :meth:`ErrorFeedback.load_state_dict`.
+residuals are keyed by the ``name=`` given to ``encode`` (one per parameter in the DDP hook) and form
+an explicit :class:`ErrorFeedbackState`: :meth:`ErrorFeedback.encode_with` takes one and returns the
+next, and the wrapper holds one for the protocols and the hook, which call ``encode``. The held state
+is saved with :meth:`ErrorFeedback.state_dict` and restored with :meth:`ErrorFeedback.load_state_dict`.
 
 Spec: ``ef(qsgd:bits=2)`` or, equivalently, the option ``qsgd:bits=2,ef=1``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
@@ -23,7 +26,45 @@ from .payload import Payload
 from .quantizers.base import EncodeContext, Quantizer, SharedStat
 from .spec import make, register_wrapper
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "ErrorFeedbackState"]
+
+
+def _key(name: Optional[str]) -> str:
+    return "" if name is None else str(name)
+
+
+@dataclass
+class ErrorFeedbackState:
+    """The state of error feedback: one residual per tensor name (float32, the tensor's shape).
+
+    Explicit state, as optimizer wrappers keep theirs: :meth:`ErrorFeedback.init_state` makes an
+    empty one, :meth:`ErrorFeedback.encode_with` takes one and returns the next (the one passed in
+    is left as it was), and :meth:`state_dict` / :meth:`from_state_dict` save and restore it."""
+
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def residual(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+        """The residual for ``name`` (zeros if none yet), checked against ``x``'s shape."""
+        key = _key(name)
+        e = self.residuals.get(key)
+        if e is None:
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if e.shape != x.shape:
+            raise ValueError(f"error-feedback residual for {key!r} has shape {tuple(e.shape)}, "
+                             f"tensor has {tuple(x.shape)}; use distinct name= per tensor")
+        return e.to(x.device)
+
+    def with_residual(self, name: Optional[str], value: torch.Tensor) -> "ErrorFeedbackState":
+        """A new state: this one with ``name``'s residual replaced (the other tensors are shared)."""
+        return ErrorFeedbackState({**self.residuals, _key(name): value.detach()})
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the residuals."""
+        return {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
+
+    @classmethod
+    def from_state_dict(cls, residuals: Mapping[str, Any]) -> "ErrorFeedbackState":
+        return cls({k: torch.as_tensor(v).to(torch.float32).clone() for k, v in residuals.items()})
 
 
 class ErrorFeedback(Quantizer):
@@ -33,18 +74,35 @@ class ErrorFeedback(Quantizer):
     quantizer's. Not unbiased (the residual carries one step's error into the next). Summable when the
     inner quantizer is; in that case use :meth:`encode_codes`, which updates the residual from the
     worker's own codes under the shared stats.
+
+    The residuals form an :class:`ErrorFeedbackState`. The wrapper holds one (``.state``) for the
+    protocols and the DDP hook, which call :meth:`encode`; :meth:`encode_with` is the same step on a
+    state passed in and returned, for code that keeps its state itself.
     """
 
     name = "ef"
     unbiased = False
 
-    def __init__(self, inner: Quantizer | str) -> None:
+    def __init__(self, inner: Quantizer | str, state: Optional[ErrorFeedbackState] = None) -> None:
         inner = inner if isinstance(inner, Quantizer) else make(inner)
         if isinstance(inner, ErrorFeedback):
             raise SpecError(f"{inner} already has error feedback")
+        super().__init__()
         self.inner = inner
-        self._values = {}
-        self.residuals: dict[str, torch.Tensor] = {}
+        self.state = ErrorFeedbackState() if state is None else state
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The held state's residuals, by tensor name."""
+        return self.state.residuals
+
+    @residuals.setter
+    def residuals(self, value: Mapping[str, torch.Tensor]) -> None:
+        self.state = ErrorFeedbackState(dict(value))
+
+    def init_state(self) -> ErrorFeedbackState:
+        """An empty state (every residual zero)."""
+        return ErrorFeedbackState()
 
     # -- identity ----------------------------------------------------------------------------------
     @property
@@ -77,52 +135,52 @@ class ErrorFeedback(Quantizer):
         return self.inner.wire_fields(numel)
 
     # -- residual state ----------------------------------------------------------------------------
-    def _key(self, name: Optional[str]) -> str:
-        return "" if name is None else str(name)
-
     def residual(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
-        """The stored residual for ``name`` (zeros if none yet), checked against ``x``'s shape."""
-        key = self._key(name)
-        e = self.residuals.get(key)
-        if e is None:
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if e.shape != x.shape:
-            raise ValueError(f"error-feedback residual for {key!r} has shape {tuple(e.shape)}, "
-                             f"tensor has {tuple(x.shape)}; use distinct name= per tensor")
-        return e.to(x.device)
+        """The held residual for ``name`` (zeros if none yet), checked against ``x``'s shape."""
+        return self.state.residual(x, name)
 
-    def _corrected(self, x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+    def _corrected(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState) -> torch.Tensor:
         self._flatten(x, name)  # validate (finite, floating) before mixing with the residual
-        return x.detach().to(torch.float32) + self.residual(x, name)
+        return x.detach().to(torch.float32) + state.residual(x, name)
 
     def reset(self) -> None:
         """Forget every residual."""
-        self.residuals.clear()
+        self.state = ErrorFeedbackState()
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals (CPU copies) and the spec, for checkpoints."""
-        return {"spec": self.spec, "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
+        return {"spec": self.spec, "residuals": self.state.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore residuals saved by :meth:`state_dict` (the spec must match)."""
         if state.get("spec") != self.spec:
             raise ValueError(f"error-feedback state was saved for {state.get('spec')!r}, not {self.spec!r}")
-        self.residuals = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in state["residuals"].items()}
+        self.state = ErrorFeedbackState.from_state_dict(state["residuals"])
 
     # -- quantizer interface -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
                      name: Optional[str] = None) -> dict[str, SharedStat]:
-        return self.inner.shared_stats(self._corrected(x, name), shared_seed=shared_seed, name=name)
+        return self.inner.shared_stats(self._corrected(x, name, self.state), shared_seed=shared_seed, name=name)
+
+    def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
+                    generator: Optional[torch.Generator] = None,
+                    shared: Optional[Mapping[str, torch.Tensor]] = None, shared_seed: Optional[int] = None,
+                    name: Optional[str] = None) -> tuple[Payload, ErrorFeedbackState]:
+        """One error-feedback step on an explicit state: the payload of ``x + e[name]`` and the next
+        state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed."""
+        u = self._corrected(x, name, state)
+        payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
+                                    shared_seed=shared_seed, name=name)
+        new = state.with_residual(name, u - self.inner.decode(payload).to(torch.float32))
+        return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields), new
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
                shared: Optional[Mapping[str, torch.Tensor]] = None,
                shared_seed: Optional[int] = None, name: Optional[str] = None) -> Payload:
-        u = self._corrected(x, name)
-        payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
-                                    shared_seed=shared_seed, name=name)
-        self.residuals[self._key(name)] = (u - self.inner.decode(payload).to(torch.float32)).detach()
-        return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields)
+        payload, self.state = self.encode_with(x, self.state, seed=seed, generator=generator, shared=shared,
+                                               shared_seed=shared_seed, name=name)
+        return payload
 
     def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if payload.spec != self.spec:
@@ -132,20 +190,28 @@ class ErrorFeedback(Quantizer):
         inner = Payload(self.inner.spec, payload.shape, payload.dtype, payload.numel, payload.fields)
         return self.inner.decode(inner, out=out)
 
-    def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
-                     seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                     shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
-        """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes."""
+    def encode_codes_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
+                          shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
+                          generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
+                          name: Optional[str] = None) -> tuple[torch.Tensor, ErrorFeedbackState]:
+        """:meth:`encode_codes` on an explicit state: the codes and the next state."""
         if not self.inner.summable:
             raise TypeError(f"{self.inner.name} codes are not summable")
-        u = self._corrected(x, name)
+        u = self._corrected(x, name, state)
         if shared is None:
             shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed).items()}
         codes = self.inner.encode_codes(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
                                         shared_seed=shared_seed, name=name)
         mine = self.inner.decode_codes(codes, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
                                        shared_seed=shared_seed)
-        self.residuals[self._key(name)] = (u - mine).detach()
+        return codes, state.with_residual(name, u - mine)
+
+    def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
+                     seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                     shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
+        """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes."""
+        codes, self.state = self.encode_codes_with(x, self.state, shared=shared, seed=seed, generator=generator,
+                                                   shared_seed=shared_seed, name=name)
         return codes
 
     def decode_codes(self, codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
