@@ -409,3 +409,33 @@ def test_fields_streams_are_the_codes_streams(layout, s):
         decode_fields_stream(stream[:-1], 5003, s)
     with pytest.raises(ValueError, match="lie in"):
         encode_fields_stream(torch.full((3,), 2 * s + 1, dtype=torch.uint8), s, layout)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fields_codec_agrees_with_the_codes_codec_on_odd_streams(seed):
+    """Long gaps (past the 4,096-entry tables), the largest magnitudes, all-zero and all-nonzero
+    vectors, and damaged streams: the table-driven fields codec writes the same bytes as the codes
+    codec, and refuses exactly the streams the strict decoder refuses."""
+    from gradq.codecs.qsgd_stream import decode_fields_stream, encode_fields_stream
+
+    g = torch.Generator().manual_seed(seed)
+    s = [1, 7, 127, 3, 127, 15][seed]
+    n = [1, 9000, 20_000, 70_000, 5, 3][seed]
+    density = [1.0, 0.0005, 0.3, 0.01, 0.0, 1.0][seed]
+    codes = torch.randint(-s, s + 1, (n,), generator=g, dtype=torch.int32)
+    codes[torch.rand(n, generator=g) >= density] = 0
+    fields = (codes + s).to(torch.uint8)
+    for layout in ("sparse", "dense"):
+        stream = encode_fields_stream(fields, s, layout)
+        assert torch.equal(stream, encode_stream(codes, s, layout))
+        assert torch.equal(decode_fields_stream(stream, n, s), fields)
+        for k in range(min(12, stream.numel())):   # flip one bit at a time: same verdict and codes
+            bad = stream.clone()
+            bad[(k * 7919) % bad.numel()] ^= 1 << (k % 8)
+            try:
+                want = decode_stream(bad, n, s)
+            except PayloadError as e:
+                with pytest.raises(PayloadError, match=str(e).split(" at ")[0][:20]):
+                    decode_fields_stream(bad, n, s)
+            else:
+                assert torch.equal(decode_fields_stream(bad, n, s).to(torch.int32) - s, want)

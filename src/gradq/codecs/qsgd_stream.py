@@ -300,15 +300,33 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
         raise TypeError("fields must be a uint8 tensor")
+    from . import qsgd_fields as F
+
     arr = fields.detach().cpu().reshape(-1).contiguous().numpy()
-    sparse_bits, dense_bits, big = (int(v) for v in _lengths(arr, s))
-    if big > s:
-        raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got |c| up to {big}")
+    sc, sl, dc, dl = _field_tables(s)
+    sparse_bits, dense_bits, bad = (int(v) for v in F.fields_lengths(arr, s, sl, dl))
+    if bad:
+        raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
     sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
-    buf = np.zeros((1 + (sparse_bits if sparse else dense_bits) + 7) // 8, dtype=np.uint8)
-    end = _write_sparse(arr, s, buf) if sparse else _write_dense(arr, s, buf)
+    buf = np.empty((1 + (sparse_bits if sparse else dense_bits) + 7) // 8, dtype=np.uint8)
+    if sparse:
+        nnz = int(arr.size - np.count_nonzero(arr == s)) if arr.size else 0
+        end = F.write_fields_sparse(arr, s, sc, sl, nnz, buf)
+    else:
+        end = F.write_fields_dense(arr, dc, dl, buf)
     assert end == buf.shape[0], "internal error: stream length mismatch"
     return torch.from_numpy(buf)
+
+
+_TABLES: dict = {}
+
+
+def _field_tables(s: int):
+    if s not in _TABLES:
+        from .qsgd_fields import field_tables
+
+        _TABLES[s] = field_tables(s)
+    return _TABLES[s]
 
 
 def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -319,10 +337,14 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
         raise PayloadError("a QSGD stream must be uint8 bytes")
+    from .qsgd_fields import read_fields
+
     buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
+    pad = np.zeros(buf.size + 3, np.uint8)  # (the table-driven reader looks 3 bytes ahead)
+    pad[:buf.size] = buf
     res = torch.empty(n, dtype=torch.uint8) if out is None else out
     arr = res.numpy()
     arr.fill(s)
-    err, pos, _ = _read(buf, n, s, s, arr)
+    err, pos = read_fields(buf, pad, n, s, arr)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return res
