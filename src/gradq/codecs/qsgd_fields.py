@@ -99,7 +99,8 @@ def _olen(k: int) -> int:
 
 @_pjit
 def fields_lengths(f: np.ndarray, s: int, sl: np.ndarray, dl: np.ndarray):
-    """``(sparse body bits, dense body bits, number of fields above 2s)`` of the fields ``f``."""
+    """``(sparse body bits, dense body bits, number of fields above 2s, number of nonzero codes)`` of
+    the fields ``f``."""
     n = f.shape[0]
     nch = (n + _CHUNK - 1) // _CHUNK
     dense = np.zeros(nch, np.int64)
@@ -144,17 +145,14 @@ def fields_lengths(f: np.ndarray, s: int, sl: np.ndarray, dl: np.ndarray):
         if first[c] >= 0:
             total_sparse += _olen(first[c] - prev)
             prev = last[c]
-    return total_sparse + omega_len(total_nnz + 1), dense.sum(), bad.sum()
+    return total_sparse + omega_len(total_nnz + 1), dense.sum(), bad.sum(), total_nnz
 
 
 @_jit
-def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, nnz: int, buf: np.ndarray) -> int:
-    """Flag 0, Elias(nnz + 1), then per nonzero Elias(gap), its sign and Elias(|c|); returns the
-    bytes written."""
-    o = 0
-    acc = 0  # the flag bit, 0 = sparse
-    nacc = 1
-    p = omega_pieces(nnz + 1)
+def _put_pieces(buf: np.ndarray, o: int, acc: int, nacc: int, p):
+    """Append up to three ``(code, bits)`` pieces of :func:`omega_pieces` to the accumulator,
+    flushing whole 32-bit words; ``(o, acc, nacc)`` after. For the rare long codes only: the hot
+    loops flush inline (numba keeps their state in registers that way)."""
     for j in range(3):
         nb = p[2 * j + 1]
         if nb:
@@ -169,6 +167,15 @@ def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, n
                 buf[o + 3] = w & 0xFF
                 o += 4
                 acc &= (1 << nacc) - 1
+    return o, acc, nacc
+
+
+@_jit
+def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, nnz: int, buf: np.ndarray) -> int:
+    """Flag 0, Elias(nnz + 1), then per nonzero Elias(gap), its sign and Elias(|c|); returns the
+    bytes written."""
+    # the flag bit (0 = sparse), then Elias(nnz + 1)
+    o, acc, nacc = _put_pieces(buf, 0, 0, 1, omega_pieces(nnz + 1))
     last = -1
     for i in range(f.shape[0]):
         v = np.int64(f[i])
@@ -179,22 +186,8 @@ def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, n
         if g < _SMALL:
             acc = (acc << _OMEGA_LEN[g]) | _OMEGA_CODE[g]
             nacc += _OMEGA_LEN[g]
-        else:
-            q = omega_pieces(g)
-            for j in range(3):
-                nb = q[2 * j + 1]
-                if nb:
-                    acc = (acc << nb) | q[2 * j]
-                    nacc += nb
-                    if nacc >= 32:
-                        nacc -= 32
-                        w = acc >> nacc
-                        buf[o] = (w >> 24) & 0xFF
-                        buf[o + 1] = (w >> 16) & 0xFF
-                        buf[o + 2] = (w >> 8) & 0xFF
-                        buf[o + 3] = w & 0xFF
-                        o += 4
-                        acc &= (1 << nacc) - 1
+        else:  # a gap past the table (rare): its pieces
+            o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(g))
         if nacc >= 32:
             nacc -= 32
             w = acc >> nacc

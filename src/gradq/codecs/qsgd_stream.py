@@ -304,13 +304,12 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
 
     arr = fields.detach().cpu().reshape(-1).contiguous().numpy()
     sc, sl, dc, dl = _field_tables(s)
-    sparse_bits, dense_bits, bad = (int(v) for v in F.fields_lengths(arr, s, sl, dl))
+    sparse_bits, dense_bits, bad, nnz = (int(v) for v in F.fields_lengths(arr, s, sl, dl))
     if bad:
         raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
     sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
     buf = np.empty((1 + (sparse_bits if sparse else dense_bits) + 7) // 8, dtype=np.uint8)
     if sparse:
-        nnz = int(arr.size - np.count_nonzero(arr == s)) if arr.size else 0
         end = F.write_fields_sparse(arr, s, sc, sl, nnz, buf)
     else:
         end = F.write_fields_dense(arr, dc, dl, buf)
