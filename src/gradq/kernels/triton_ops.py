@@ -40,8 +40,11 @@ import torch
 
 #: True when no GPU is present: the kernels run under Triton's interpreter (for tests). The
 #: interpreter is switched on for the process before triton is first imported (triton's own
-#: library functions are built for one mode at import).
-INTERPRETED = not torch.cuda.is_available()
+#: library functions are built for one mode at import). ``GRADQ_TRITON_INTERPRET=0`` keeps the
+#: compiler on without a GPU: kernels cannot run then, but they can be compiled for a GPU target
+#: (what ``tests/kernels/test_triton_compile.py`` does).
+INTERPRETED = {"0": False, "1": True}.get(os.environ.get("GRADQ_TRITON_INTERPRET", "").strip(),
+                                          not torch.cuda.is_available())
 if INTERPRETED:
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ImportError("triton was imported before gradq's Triton backend on a machine without a GPU: set "

@@ -1,0 +1,83 @@
+"""Every Triton kernel compiles for a GPU target, on machines without a GPU, and without FMA.
+
+The interpreter tests (test_triton_kernels.py) check what the kernels compute; this test checks that
+the compiler accepts them for an H100 (sm_90) and that the float arithmetic stays as written: no
+``fma`` instructions (launches pass ``enable_fp_fusion=False``, which the compiled PTX must show) and
+correctly rounded division (``div.rn.f32``). It runs in a child process with the compiler on
+(``GRADQ_TRITON_INTERPRET=0``), since the test process runs Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+SCRIPT = textwrap.dedent('''
+    import re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gradq.kernels import triton_ops as T
+
+    assert not T.INTERPRETED
+    target = GPUTarget("cuda", 90, 32)
+    P8, P32, PF, PI64, PF64, I, F, C = "*u8", "*i32", "*fp32", "*i64", "*fp64", "i64", "fp32", "constexpr"
+    cases = [
+        ("_maxabs_bits_kernel", dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
+         dict(ROWS=8, COLS=512), False),
+        ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32",
+         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=4, TRITS=False, G=128), True),
+        ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32",
+         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=1, TRITS=True, G=128), True),
+        ("_maxabs_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
+         clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C), dict(W=4, BUCKET=512, R=2), True),
+        ("_uniform_decode_kernel", dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
+         nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C),
+         dict(M=4, W=3, TRITS=False, G=128), True),
+        ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
+         ctr0=I, L=C, W=C, G=C), dict(L=5, W=3, G=128), True),
+        ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,
+         bucket=I, L="i32", W=C, G=C), dict(W=3, G=128), False),
+        ("_threshold_kernel", dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, n=I, nbytes=I, bucket=I, G=C), dict(G=128),
+         False),
+        ("_pb_bits_kernel", dict(x_ptr=PF, b_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I, ctr0=I, G=C),
+         dict(G=128), True),
+        ("_bit_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, n=I, nbytes=I, bucket=I, PER=C, G=C),
+         dict(PER=1, G=128), False),
+        ("_moment_kernel", dict(x_ptr=PF, shift_ptr=PF64, part_ptr=PF64, n=I, SQUARE=C, BLOCK=C),
+         dict(SQUARE=True, BLOCK=4096), False),
+        ("_sumsq_kernel", dict(x_ptr=PF, part_ptr=PF64, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
+         dict(ROWS=8, COLS=512), False),
+        ("_ms_indices_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, out_ptr=P8, n=I, bucket=I, L=C, BLOCK=C),
+         dict(L=2, BLOCK=1024), True),
+        ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
+         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C),
+         dict(L=2, W=2, IW=1, G=128), True),
+        ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
+         nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C), dict(L=2, W=2, IW=1, G=128), True),
+    ]
+    for name, sig, consts, divides in cases:
+        k = triton.compile(ASTSource(fn=getattr(T, name), signature=sig, constexprs=consts), target=target,
+                           options={"enable_fp_fusion": False})
+        ptx = k.asm["ptx"]
+        assert not re.search(r"\\bfma\\.[a-z.]*f32", ptx), name + ": an FMA would round once where the reference rounds twice"
+        if divides:
+            assert "div.rn.f32" in ptx and not re.search(r"div\\.(approx|full)\\.f32", ptx), name + ": inexact division"
+        print("compiled", name)
+''')
+
+
+def test_every_kernel_compiles_for_sm90_without_fma(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(GRADQ_TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("compiled") == 15
