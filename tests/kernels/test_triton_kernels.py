@@ -279,3 +279,19 @@ def test_gpu_encode_needs_no_input_sized_temporaries():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= 1.25 * enc.nbytes, (extra, enc.nbytes)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse",
+                                  "qsgd:levels=100,coding=elias-dense"])
+def test_gpu_elias_stream_equals_the_cpu(spec):
+    """Elias-coded QSGD on CUDA: codes from the Triton kernels, the stream built on the device by
+    tensor operations; the bytes equal the CPU's, and the decode too."""
+    x = data(200_003, 11)
+    q = gradq.build(spec)
+    enc = q.encode(x.cuda(), seed=3)
+    assert enc["stream"].is_cuda
+    ref = q.encode(x, seed=3)
+    assert enc.same_bytes(ref)
+    assert same(q.decode(enc).cpu(), q.decode(ref))

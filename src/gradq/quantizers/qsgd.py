@@ -168,7 +168,12 @@ class QSGD(Quantizer):
 
             scales = kernels.maxabs_scales(v, self.bucket) if self.norm == "max" else kernels.l2_scales(v, self.bucket)
             fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
-            stream = encode_fields_stream(fields, self.s, _LAYOUT[self.coding])
+            if fields.device.type == "cpu":
+                stream = encode_fields_stream(fields, self.s, _LAYOUT[self.coding])
+            else:  # built on the device by tensor operations (the same bytes): the codes stay there
+                from ..codecs.qsgd_stream_torch import encode_fields_stream_torch
+
+                stream = encode_fields_stream_torch(fields, self.s, _LAYOUT[self.coding])
             return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
