@@ -9,6 +9,7 @@ correctly rounded division (``div.rn.f32``). It runs in a child process with the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed")
+# (not imported here: this process runs Triton's interpreter, which must be switched on before the
+# first import of triton — test_triton_kernels.py does that through gradq.kernels.triton_ops)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 SCRIPT = textwrap.dedent('''
     import re, sys
@@ -50,8 +53,8 @@ SCRIPT = textwrap.dedent('''
          dict(G=128), True),
         ("_bit_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, n=I, nbytes=I, bucket=I, PER=C, G=C),
          dict(PER=1, G=128), False),
-        ("_moment_kernel", dict(x_ptr=PF, shift_ptr=PF64, part_ptr=PF64, n=I, SQUARE=C, BLOCK=C),
-         dict(SQUARE=True, BLOCK=4096), False),
+        ("_block_moments_kernel", dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, n=I,
+         BLOCK=C), dict(BLOCK=4096), False),
         ("_sumsq_kernel", dict(x_ptr=PF, part_ptr=PF64, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
          dict(ROWS=8, COLS=512), False),
         ("_ms_indices_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, out_ptr=P8, n=I, bucket=I, L=C, BLOCK=C),

@@ -180,17 +180,21 @@ def _sumsq_kernel(x_ptr, part_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr, COLS
 
 
 @_jit
-def _moment_kernel(x_ptr, shift_ptr, part_ptr, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
-    """Per block of BLOCK values: ``Σ x`` (or ``Σ (x − shift)²``, ``shift`` a float64 on the
-    device) in float64, into ``part_ptr[block]``; the host never sees the mean."""
+def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, n, BLOCK: tl.constexpr):
+    """One read per block of BLOCK values: its count, float64 mean and ``Σ (x − mean)²`` (the block
+    stays in registers for the second sum), and the largest ``|x|`` bit pattern (atomic max)."""
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float64)
-    if SQUARE:
-        d = tl.where(ok, x - tl.load(shift_ptr), 0.0)
-        x = d * d
-    tl.store(part_ptr + pid, tl.sum(x, axis=0))
+    x32 = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    x = x32.to(tl.float64)
+    cnt = tl.sum(ok.to(tl.float64), axis=0)
+    mean = tl.sum(x, axis=0) / cnt
+    d = tl.where(ok, x - mean, 0.0)
+    tl.store(cnt_ptr + pid, cnt)
+    tl.store(mean_ptr + pid, mean)
+    tl.store(m2_ptr + pid, tl.sum(d * d, axis=0))
+    tl.atomic_max(maxbits_ptr, tl.max(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
 
 
 @_jit
@@ -617,32 +621,50 @@ def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[t
 _MOMENT_BLOCK = 4096
 
 
-def population_std(x: torch.Tensor) -> torch.Tensor:
-    """As :func:`gradq.kernels.reference.population_std`: two float64 passes over blocks (Σx, then
-    Σ(x − mean)²) with no input-sized temporary, the block sums added by torch on the device; equal
-    to the reference's float32 σ except when the exact σ lies within float64 rounding (~1e-13
-    relative) of a float32 rounding tie."""
-    xv = _flat(x, "x", torch.float32)
+def _moments(xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(σ as a float32 0-dim tensor, max |x| as float32)`` in one read of ``xv``: per block its
+    count, mean and centred sum of squares in float64, merged pairwise in a fixed tree (Chan et
+    al.'s update) by torch on the device. σ equals the reference's two-pass float64 σ rounded to
+    float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
-    if n == 0:
-        return torch.tensor(float("nan"), device=xv.device)
     grid = _grid(n, _MOMENT_BLOCK)
-    part = torch.empty(grid[0], dtype=torch.float64, device=xv.device)
-    _launch(_moment_kernel, grid, xv, part, part, n, SQUARE=False, BLOCK=_MOMENT_BLOCK)
-    mean = part.sum().div_(n).reshape(1)
-    _launch(_moment_kernel, grid, xv, mean, part, n, SQUARE=True, BLOCK=_MOMENT_BLOCK)
-    return part.sum().div_(n).sqrt_().to(torch.float32)
+    cnt, mean, m2 = (torch.empty(grid[0], dtype=torch.float64, device=xv.device) for _ in range(3))
+    bits = torch.zeros(1, dtype=torch.int32, device=xv.device)
+    _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, bits, n, BLOCK=_MOMENT_BLOCK)
+    while cnt.numel() > 1:  # pairwise merges, the odd last block carried to the next level
+        k = cnt.numel() // 2
+        na, nb = cnt[0:2 * k:2], cnt[1:2 * k:2]
+        ma, mb = mean[0:2 * k:2], mean[1:2 * k:2]
+        tot = na + nb
+        delta = mb - ma
+        merged = (tot, ma + delta * (nb / tot), m2[0:2 * k:2] + m2[1:2 * k:2] + delta * delta * (na * nb / tot))
+        cnt, mean, m2 = (torch.cat([v, old[2 * k:]]) for v, old in zip(merged, (cnt, mean, m2)))
+    sigma = (m2[0] / cnt[0]).sqrt().to(torch.float32)
+    return sigma, bits.view(torch.float32)[0]
+
+
+def population_std(x: torch.Tensor) -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.population_std`, in one read (see :func:`_moments`)."""
+    xv = _flat(x, "x", torch.float32)
+    if xv.numel() == 0:
+        return torch.tensor(float("nan"), device=xv.device)
+    return _moments(xv)[0]
 
 
 def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
                    ) -> tuple[Optional[float], torch.Tensor]:
-    """As :func:`gradq.kernels.reference.terngrad_stats` (σ by :func:`population_std`, then the
-    clipped max-abs, which is ``min(max |x|, bound)`` per bucket). The bound is a host float."""
+    """As :func:`gradq.kernels.reference.terngrad_stats`. σ and, with one bucket, the max-abs come
+    from one read; the clipped max is ``min(max |x|, bound)``. The bound is a host float."""
     xv = _flat(x, "x", torch.float32)
-    if clip is None or xv.numel() <= 1:
+    n = xv.numel()
+    if clip is None or n <= 1:
         return None, maxabs_scales(xv, bucket)
-    sigma = float(population_std(xv))
+    sigma_t, mx = _moments(xv)
+    sigma = float(sigma_t)
     bound = float(np.float32(clip) * np.float32(sigma)) if sigma > 0 else None
+    if bucket is None or bucket >= n:
+        c = float(_clip(bound))
+        return bound, torch.where(mx < c, mx, torch.full_like(mx, c)).reshape(1)
     return bound, maxabs_scales(xv, bucket, clip=bound)
 
 
