@@ -50,7 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu import _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _run_end, _run_keys, _uniform
+from .numba_common import _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _run_end, _run_keys, _uniform
 
 # fastmath stays off. Large per-bucket helpers are ordinary (called) functions, compiled once, which
 # keeps the first compile short; small ones are inlined. nogil: a communication thread may run

@@ -48,7 +48,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu import (_fill_uniform, _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _pack, _round_any, _run_end,
+from .numba_common import (_fill_uniform, _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _pack, _round_any, _run_end,
                   _run_keys, _uniform)
 
 _INF = np.float32(np.inf)

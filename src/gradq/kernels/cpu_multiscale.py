@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _fill_uniform, _inline, _kernel, _pack, _run_end, _run_keys, _unpack
+from .numba_common import _fill_uniform, _inline, _kernel, _pack, _run_end, _run_keys, _unpack
 
 F32 = np.float32
 

@@ -1,0 +1,359 @@
+"""Numba helpers shared by every CPU kernel module: the counter hash as 16-lane LLVM IR, bit-field
+and trit packing, max-abs bit patterns and rounding onto levels.
+
+The kernel modules (:mod:`gradq.kernels.cpu`, ``cpu_levels``, ``cpu_binary``, ``cpu_multiscale``)
+import them from here and numba inlines them. Compiled code is cached in a directory keyed by the
+sources of all those modules and this one (:mod:`gradq.kernels.numba_cache`), so an edit here
+recompiles every kernel that inlines it.
+
+Every operation is the plain IEEE float32 or wrapping-integer one, in the reference's order: fastmath
+stays off, so no FMA contraction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+U32 = np.uint32
+F32 = np.float32
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+_ABS = 0x7FFFFFFF
+_M32 = 0xFFFFFFFF
+
+# fastmath stays off (no FMA contraction, IEEE float32 everywhere); error_model="numpy" lets a float
+# division follow IEEE (no ZeroDivisionError branch), which keeps the loops vectorizable.
+_inline = njit(inline="always", cache=True, error_model="numpy")
+_kernel = njit(parallel=True, cache=True, error_model="numpy", nogil=True)  # nogil: a comm thread runs meanwhile
+
+
+# -- random numbers (LLVM IR) ----------------------------------------------------------------------
+# numba widens uint32 arithmetic to 64 bits, which vectorizes as slow 64-bit multiplies, and its loop
+# vectorizer picks 8 lanes on AVX-512 machines; the hash loops are therefore written as 32-bit LLVM
+# IR on explicit 16-lane vectors (LLVM splits them on narrower hardware). Every operation is the
+# plain IEEE / wrapping-integer one, in the reference's order.
+_LANES = 16
+_PREFETCH = 512  # elements (2 KiB, one bucket of 512) ahead
+_INV24 = 2.0 ** -24
+
+
+def _ir_mix32(builder, x, const):
+    """lowbias32 on an i32 value or vector; ``const(v)`` builds a constant of the same type."""
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x = builder.xor(x, builder.lshr(x, const(shift)))
+        x = builder.mul(x, const(mult))
+    return builder.xor(x, builder.lshr(x, const(16)))
+
+
+def _ir_uniform(builder, x, k2h, const, fty, inv24):
+    """``(mix32(mix32(x) ^ k2h) >> 8)·2⁻²⁴`` as float32 (scalar or vector)."""
+    h = _ir_mix32(builder, builder.xor(_ir_mix32(builder, x, const), k2h), const)
+    return builder.fmul(builder.uitofp(builder.lshr(h, const(8)), fty), inv24)
+
+
+def _ir_splat(builder, vty, val):
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(
+        ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
+
+
+def _ir_vectors():
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    vi, vf = ir.VectorType(i32, _LANES), ir.VectorType(f32, _LANES)
+
+    def const(v):
+        return ir.Constant(vi, [v & 0xFFFFFFFF] * _LANES)
+
+    return i32, vi, vf, const, ir.Constant(vf, [_INV24] * _LANES)
+
+
+def _ir_counters(builder, vi, base):
+    """Counter hashes of lanes 0..15: ``base + lane·φ`` (the state advances by ``16·φ`` a step)."""
+    lanes = ir.Constant(vi, [(j * 0x9E3779B9) & 0xFFFFFFFF for j in range(_LANES)])
+    return cgutils.alloca_once_value(builder, builder.add(_ir_splat(builder, vi, base), lanes))
+
+
+@intrinsic
+def _uniform(typingctx, base, i, k2h):
+    """Uniform float32 of element ``i`` of a run (``base``, ``k2h`` uint32 from :func:`_run_keys`)."""
+    sig = types.float32(types.uint32, i, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        b, idx, k = args
+        if idx.type.width != 32:
+            idx = builder.trunc(idx, i32) if idx.type.width > 32 else builder.zext(idx, i32)
+        x = builder.add(b, builder.mul(idx, ir.Constant(i32, 0x9E3779B9)))
+        return _ir_uniform(builder, x, k, lambda v: ir.Constant(i32, v & 0xFFFFFFFF), ir.FloatType(),
+                           ir.Constant(ir.FloatType(), _INV24))
+
+    return sig, codegen
+
+
+@intrinsic
+def _fill_uniform_vec(typingctx, arr, nvec, base, k2h):
+    """``arr[j]`` = uniform of element ``j`` of the run, for ``j < 16·nvec``."""
+    sig = types.void(arr, nvec, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        count, b, k = args[1], args[2], args[3]
+        i32, vi, vf, const, inv24 = _ir_vectors()
+        state = _ir_counters(builder, vi, b)
+        kv = _ir_splat(builder, vi, k)
+        with cgutils.for_range(builder, count) as loop:
+            x = builder.load(state)
+            ptr = builder.gep(data, [builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))])
+            builder.store(_ir_uniform(builder, x, kv, const, vf, inv24), builder.bitcast(ptr, vf.as_pointer()),
+                          align=4)
+            builder.store(builder.add(x, const(_LANES * 0x9E3779B9)), state)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_inline
+def _fill_uniform(u, base, k2h):
+    """``u[i]`` = uniform of element ``i`` of the run ``(base, k2h)``, for all of ``u``."""
+    full = u.size // _LANES
+    _fill_uniform_vec(u, full, base, k2h)
+    for i in range(full * _LANES, u.size):
+        u[i] = _uniform(base, i, k2h)
+
+
+@_inline
+def _run_keys(ctr, k1, k2):
+    """``(base, k2 ^ hi)`` for a run of counters starting at ``ctr`` that stays below the next
+    multiple of 2**32: element ``i`` of the run hashes ``base + i·φ``."""
+    base = U32((((ctr & _M32) * 0x9E3779B9) + k1) & _M32)
+    return base, U32((k2 ^ (ctr >> 32)) & _M32)
+
+
+@_inline
+def _run_end(ctr, p, q):
+    """End of the run from element ``p`` (counter ``ctr``) to ``q`` cut at the next 2**32 counter."""
+    nxt = ((ctr >> 32) + 1) << 32
+    return min(q, p + (nxt - ctr))
+
+
+# -- packing (all helpers take slices that start at element / byte 0: offset indexing would add a
+# negative-index check per access and stop the loops from vectorizing) ----------------------------
+@_inline
+def _pack_groups(tmp, out, w):
+    """Whole groups of 8 fields of ``w`` bits (a literal, so the inner loops unroll) -> ``w`` bytes."""
+    for g in range(tmp.size // 8):
+        word = 0
+        for k in range(8):
+            word |= np.int64(tmp[8 * g + k]) << (k * w)
+        for b in range(w):
+            out[g * w + b] = (word >> (8 * b)) & 0xFF
+
+
+@_inline
+def _unpack_groups(data, tmp, w):
+    """Inverse of :func:`_pack_groups` for the whole groups of 8 fields in ``tmp``."""
+    mask = (1 << w) - 1
+    for g in range(tmp.size // 8):
+        word = 0
+        for b in range(w):
+            word |= np.int64(data[g * w + b]) << (8 * b)
+        for k in range(8):
+            tmp[8 * g + k] = (word >> (k * w)) & mask
+
+
+@_inline
+def _pack(tmp, width, out):
+    """Pack ``tmp`` (values < 2**width) into ``out`` as little-endian ``width``-bit fields."""
+    m = tmp.size
+    if width == 8:
+        for i in range(m):
+            out[i] = tmp[i]
+        return
+    if width == 4:
+        for j in range(m // 2):
+            out[j] = tmp[2 * j] | (tmp[2 * j + 1] << 4)
+    elif width == 2:
+        for j in range(m // 4):
+            out[j] = tmp[4 * j] | (tmp[4 * j + 1] << 2) | (tmp[4 * j + 2] << 4) | (tmp[4 * j + 3] << 6)
+    elif width == 1:
+        for j in range(m // 8):
+            k = 8 * j
+            out[j] = (tmp[k] | (tmp[k + 1] << 1) | (tmp[k + 2] << 2) | (tmp[k + 3] << 3)
+                      | (tmp[k + 4] << 4) | (tmp[k + 5] << 5) | (tmp[k + 6] << 6) | (tmp[k + 7] << 7))
+    elif width == 3:
+        _pack_groups(tmp, out, 3)
+    elif width == 5:
+        _pack_groups(tmp, out, 5)
+    elif width == 6:
+        _pack_groups(tmp, out, 6)
+    else:
+        _pack_groups(tmp, out, 7)
+    # the last partial group of 8 fields (only in the last chunk): bit by bit, zero padded
+    start = (m // 8) * 8
+    if width in (4, 2):
+        start = (m // (8 // width)) * (8 // width)
+    if start < m:
+        acc = 0
+        for k in range(start, m):
+            acc |= np.int64(tmp[k]) << ((k - start) * width)
+        byte0 = (start * width) // 8
+        for b in range(((m - start) * width + 7) // 8):
+            out[byte0 + b] = (acc >> (8 * b)) & 0xFF
+
+
+@_inline
+def _unpack(data, width, tmp):
+    """Inverse of :func:`_pack`: ``tmp.size`` fields from ``data`` into ``tmp``."""
+    m = tmp.size
+    if width == 8:
+        for i in range(m):
+            tmp[i] = data[i]
+        return
+    if width == 4:
+        for i in range(m):
+            tmp[i] = (data[i >> 1] >> ((i & 1) * 4)) & 15
+        return
+    if width == 2:
+        for i in range(m):
+            tmp[i] = (data[i >> 2] >> ((i & 3) * 2)) & 3
+        return
+    if width == 1:
+        for i in range(m):
+            tmp[i] = (data[i >> 3] >> (i & 7)) & 1
+        return
+    if width == 3:
+        _unpack_groups(data, tmp, 3)
+    elif width == 5:
+        _unpack_groups(data, tmp, 5)
+    elif width == 6:
+        _unpack_groups(data, tmp, 6)
+    else:
+        _unpack_groups(data, tmp, 7)
+    mask = (1 << width) - 1
+    for i in range((m // 8) * 8, m):
+        bit = i * width
+        word = np.int64(data[bit >> 3])
+        if (bit & 7) + width > 8:
+            word |= np.int64(data[(bit >> 3) + 1]) << 8
+        tmp[i] = (word >> (bit & 7)) & mask
+
+
+@_inline
+def _pack_trits(tmp, out):
+    """Values in {0, 1, 2} five per byte, base 3, first value least significant."""
+    m = tmp.size
+    full = m // 5
+    for j in range(full):
+        k = 5 * j
+        out[j] = tmp[k] + 3 * tmp[k + 1] + 9 * tmp[k + 2] + 27 * tmp[k + 3] + 81 * tmp[k + 4]
+    if full * 5 < m:
+        acc = 0
+        pw = 1
+        for k in range(full * 5, m):
+            acc += np.int64(tmp[k]) * pw
+            pw *= 3
+        out[full] = acc
+
+
+@_inline
+def _div3(b):
+    return (b * 171) >> 9  # b // 3 for 0 <= b < 768
+
+
+@_inline
+def _unpack_trits(data, tmp):
+    """Trits of ``data`` into ``tmp``; returns the number of bytes above 242 (3**5 − 1)."""
+    m = tmp.size
+    bad = 0
+    full = m // 5
+    for j in range(full):
+        b = np.int32(data[j])
+        bad += b > 242
+        q1 = _div3(b)
+        q2 = _div3(q1)
+        q3 = _div3(q2)
+        q4 = _div3(q3)
+        tmp[5 * j] = b - 3 * q1
+        tmp[5 * j + 1] = q1 - 3 * q2
+        tmp[5 * j + 2] = q2 - 3 * q3
+        tmp[5 * j + 3] = q3 - 3 * q4
+        tmp[5 * j + 4] = q4 - 3 * _div3(q4)
+    if full * 5 < m:
+        b = np.int32(data[full])
+        bad += b > 242
+        for k in range(full * 5, m):
+            tmp[k] = b % 3
+            b //= 3
+    return bad
+
+
+# -- max-abs norms -------------------------------------------------------------------------------
+@_inline
+def _maxabs_bits(xs):
+    """Largest ``|x|`` over ``xs`` (int32 view of float32 data) as its bit pattern: for non-NaN
+    floats the integer order of the magnitude bits is the order of ``|x|``."""
+    m = 0
+    for i in range(xs.size):
+        v = xs[i] & _ABS
+        m = v if v > m else m
+    return m
+
+
+@_inline
+def _bits_to_f32(m):
+    return np.int32(m).view(np.float32)
+
+
+@_inline
+def _bucket_max(xi, a, b, clip):
+    s = _bits_to_f32(_maxabs_bits(xi[a:b]))
+    return s if s < clip else clip
+
+
+# -- rounding onto given levels (ORQ / Linear) ---------------------------------------------------
+@_inline
+def _round_sorted(xr, tr, u, lv, L):
+    """Level indices for a bucket whose levels are sorted: the searchsorted position is then the
+    number of levels below ``v``. ``L`` is a literal, so the loops over levels unroll into compares
+    and selects (no gathers, no branches) and the element loop vectorizes."""
+    for i in range(xr.size):
+        v = xr[i]
+        cnt = 0
+        for j in range(L):
+            cnt += lv[j] < v
+        hi = min(cnt, L - 1)
+        lo = max(hi - 1, 0)
+        l_hi = lv[0]
+        l_lo = lv[0]
+        for j in range(1, L):
+            l_hi = lv[j] if hi >= j else l_hi
+            l_lo = lv[j] if lo >= j else l_lo
+        gap = l_hi - l_lo
+        prob = (v - l_lo) / gap if gap > _ZERO else _ZERO
+        tr[i] = hi if u[i] < prob else lo
+
+
+@_inline
+def _round_any(xr, tr, u, lv, L):
+    """Level indices by torch.searchsorted's lower-bound binary search, step for step (also right for
+    rows that are not sorted, e.g. midpoints of equal denormal levels)."""
+    for i in range(xr.size):
+        v = xr[i]
+        a = 0
+        z = L
+        while a < z:
+            mid = a + ((z - a) >> 1)
+            if not (lv[mid] >= v):
+                a = mid + 1
+            else:
+                z = mid
+        hi = min(a, L - 1)
+        lo = max(hi - 1, 0)
+        l_lo = lv[lo]
+        gap = lv[hi] - l_lo
+        prob = (v - l_lo) / gap if gap > _ZERO else _ZERO
+        tr[i] = hi if u[i] < prob else lo
