@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.cod
     _pjit = _jit
     prange = range
 
-__all__ = ["field_tables", "fields_lengths", "write_fields_sparse", "write_fields_dense", "read_fields"]
+__all__ = ["field_tables", "item_tables", "fields_lengths", "write_fields_sparse", "write_fields_dense", "read_fields",
+           "read_fields_fast"]
 
 _CHUNK = 1 << 18
 
@@ -299,4 +300,128 @@ def read_fields(buf: np.ndarray, pad: np.ndarray, n: int, s: int, out: np.ndarra
                 neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
                 p += 1
                 out[i] = s - mag if neg else s + mag
+    return check_tail(buf, p), p
+
+
+# -- the fast reader: whole items from one table look-up ----------------------------------------------
+#: bits of the item window: a 4,096-entry int32 table (16 KiB) per ``s``
+_IWIN = 12
+
+
+def item_tables(s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per ``_IWIN``-bit window, the whole item at its top bit, packed as ``len | value << 5`` (0
+    when the item is longer than the window or invalid). Sparse: ``Elias(gap)``, sign,
+    ``Elias(|c|)`` with the value ``(gap << 8) | field``; dense: ``Elias(|c| + 1)`` and, for ``c ≠ 0``,
+    the sign, with the value the field ``c + s``."""
+    def omega_at(w: int, p: int):
+        n = 1
+        while p < _IWIN:
+            if (w >> (_IWIN - 1 - p)) & 1 == 0:
+                return n, p + 1
+            width = n + 1
+            if p + width > _IWIN:
+                return None
+            n = (w >> (_IWIN - p - width)) & ((1 << width) - 1)
+            p += width
+        return None
+
+    sparse = np.zeros(1 << _IWIN, np.int32)
+    dense = np.zeros(1 << _IWIN, np.int32)
+    for w in range(1 << _IWIN):
+        g = omega_at(w, 0)
+        if g is not None and g[1] < _IWIN:
+            gap, p = g
+            neg = (w >> (_IWIN - 1 - p)) & 1
+            m = omega_at(w, p + 1)
+            if m is not None and m[0] <= s and gap < (1 << 16):
+                sparse[w] = m[1] | (((gap << 8) | (s - m[0] if neg else s + m[0])) << 5)
+        d = omega_at(w, 0)
+        if d is not None and d[0] - 1 <= s:
+            mag, p = d[0] - 1, d[1]
+            if mag == 0:
+                dense[w] = p | (s << 5)
+            elif p < _IWIN:
+                neg = (w >> (_IWIN - 1 - p)) & 1
+                dense[w] = (p + 1) | ((s - mag if neg else s + mag) << 5)
+    return sparse, dense
+
+
+@_jit
+def _peek(pad: np.ndarray, p: int) -> int:
+    """The ``_IWIN`` bits at bit ``p``."""
+    i = p >> 3
+    w = (np.int64(pad[i]) << 16) | (np.int64(pad[i + 1]) << 8) | np.int64(pad[i + 2])
+    return (w >> (24 - _IWIN - (p & 7))) & ((1 << _IWIN) - 1)
+
+
+@_jit
+def read_fields_fast(buf: np.ndarray, pad: np.ndarray, n: int, s: int, sparse_tab: np.ndarray,
+                     dense_tab: np.ndarray, out: np.ndarray):
+    """:func:`read_fields`, one table look-up per item where the item fits the window; any other
+    item (long gaps, large magnitudes, damage) goes through the exact per-code path, so the errors
+    and their positions are :func:`read_fields`'s."""
+    end = buf.shape[0] * 8
+    if end == 0:
+        return ERR_TRUNCATED, 0
+    flag = (np.int64(buf[0]) >> 7) & 1
+    p = 1
+    if flag == 0:
+        v, p, err = _omega(buf, pad, p, end)
+        if err != OK:
+            return err, p
+        nnz = v - 1
+        if nnz > n:
+            return ERR_NNZ, p
+        pos = 0
+        k = 0
+        while k < nnz:
+            e = np.int64(sparse_tab[_peek(pad, p)])
+            ln = e & 31
+            if ln and p + ln <= end:
+                gap = e >> 13
+                if gap <= n - pos:
+                    pos += gap
+                    out[pos - 1] = (e >> 5) & 0xFF
+                    p += ln
+                    k += 1
+                    continue
+            gap, p, err = _omega(buf, pad, p, end)
+            if err != OK:
+                return err, p
+            if gap > n - pos:
+                return ERR_GAP, p
+            pos += gap
+            if p >= end:
+                return ERR_TRUNCATED, p
+            neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
+            mag, p, err = _omega(buf, pad, p + 1, end)
+            if err != OK:
+                return err, p
+            if mag > s:
+                return ERR_CODE, p
+            out[pos - 1] = s - mag if neg else s + mag
+            k += 1
+    else:
+        i = 0
+        while i < n:
+            e = np.int64(dense_tab[_peek(pad, p)])
+            ln = e & 31
+            if ln and p + ln <= end:
+                out[i] = e >> 5
+                p += ln
+                i += 1
+                continue
+            v, p, err = _omega(buf, pad, p, end)
+            if err != OK:
+                return err, p
+            mag = v - 1
+            if mag > s:
+                return ERR_CODE, p
+            if mag != 0:
+                if p >= end:
+                    return ERR_TRUNCATED, p
+                neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
+                p += 1
+                out[i] = s - mag if neg else s + mag
+            i += 1
     return check_tail(buf, p), p

@@ -318,6 +318,15 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
 
 
 _TABLES: dict = {}
+_ITEMS: dict = {}
+
+
+def _item_tables(s: int):
+    if s not in _ITEMS:
+        from .qsgd_fields import item_tables
+
+        _ITEMS[s] = item_tables(s)
+    return _ITEMS[s]
 
 
 def _field_tables(s: int):
@@ -336,7 +345,7 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
         raise PayloadError("a QSGD stream must be uint8 bytes")
-    from .qsgd_fields import read_fields
+    from .qsgd_fields import read_fields_fast
 
     buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
     pad = np.zeros(buf.size + 3, np.uint8)  # (the table-driven reader looks 3 bytes ahead)
@@ -344,6 +353,6 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
     res = torch.empty(n, dtype=torch.uint8) if out is None else out
     arr = res.numpy()
     arr.fill(s)
-    err, pos = read_fields(buf, pad, n, s, arr)
+    err, pos = read_fields_fast(buf, pad, n, s, *_item_tables(s), arr)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return res
