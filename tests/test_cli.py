@@ -90,3 +90,12 @@ def test_gpu_backends_refuse_clearly_without_a_gpu(tmp_path, capsys):
                    "-c", "fp32"])
         err = capsys.readouterr()
         assert rc != 0 and "needs a GPU" in err.err and "training" not in err.out  # refused before any run
+
+
+def test_adaptive_flag_reaches_the_run_and_labels_it():
+    from gradq.train.runner import TrainConfig
+
+    cfg = TrainConfig(compressor="qsgd:bits=4", adaptive=True)
+    assert cfg.adaptive and cfg.label == "qsgd:bits=4 (adaptive)"
+    assert TrainConfig(compressor="fp32", adaptive=True).label == "fp32"   # nothing to adapt
+    assert TrainConfig.from_json(cfg.to_json()).adaptive if hasattr(TrainConfig, "from_json") else True

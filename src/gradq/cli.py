@@ -109,6 +109,9 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
         c.add_argument("--strategy", default="auto", choices=["auto", "allreduce", "scatter", "allgather", "ps"])
         c.add_argument("--min-numel", type=int, default=10_000, help="smaller tensors stay fp32 (default 10000)")
         c.add_argument("--hook-warmup-steps", type=int, default=0, help="first steps averaged in fp32")
+        c.add_argument("--adaptive", action="store_true",
+                       help="time whole steps with fp32 averaging and with each spec, run the faster, probe again "
+                            "every 500 steps and when step time drifts (gradq.adaptive)")
         c.add_argument("--uncompressed", action="append", default=[], metavar="NAME",
                        help="a parameter name left uncompressed (repeatable)")
         c.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "cuda:gloo"],
@@ -174,7 +177,7 @@ def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any)
     if not seeds:
         raise GradqError("--seeds names no seed")
     keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
-            "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "uncompressed",
+            "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "adaptive", "uncompressed",
             "backend", "log_every", "workers", "network", "comm_timeout")
     base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     base.update(fixed)

@@ -72,6 +72,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .adaptive import FP32, AdaptiveController, max_over_ranks
 from .comm.api import choose_protocol
 from .comm._util import check_timeout, collective, time_limit
 from .ddp_step import OWN_CALL_NUMEL, SMALL_PAYLOAD, _bucketed, _Group, _make_groups, _Step  # noqa: F401
@@ -123,6 +124,13 @@ class GradqState:
             :class:`gradq.PayloadError` on every rank, or with ``nan_policy="skip"`` a skipped step
             (zero gradients, ``skipped_steps`` counts it). The integer all-reduce moves no payload and
             has no checksum. Equal on every rank.
+        adaptive: ``True`` (or a dict of :class:`gradq.adaptive.AdaptiveController` settings: ``probe_steps``,
+            ``reprobe_every``, ``check_every``, ``drift``, ``margin``) times whole steps with float32
+            averaging and with the spec, runs the faster, and probes again periodically and when the
+            step time drifts (:mod:`gradq.adaptive`). Float32 steps average each bucket with the
+            backend's own all-reduce, overlapped as DDP's default does; non-finite values are then
+            averaged as DDP averages them (the same on every rank), and ``nan_policy`` applies to
+            compressed steps. Default False.
         group_mb: parameters are averaged in groups of about this many MiB of float32 gradient (a group
             closes once it holds that much), cut in reverse model order like DDP's buckets; a group's
             communication starts as soon as its last gradient is computed. :func:`register` takes
@@ -143,7 +151,7 @@ class GradqState:
                  uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
                  measure_error: bool = False, module: Optional[torch.nn.Module] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, checksum: bool = True,
-                 group_mb: float = 25.0) -> None:
+                 group_mb: float = 25.0, adaptive: bool | Mapping[str, Any] = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if nan_policy not in NAN_POLICIES:
@@ -172,6 +180,12 @@ class GradqState:
         self.warmup_steps = int(warmup_steps)
         self.nan_policy = nan_policy
         self.measure_error = bool(measure_error)
+        if isinstance(adaptive, Mapping):
+            self.adaptive: Optional[AdaptiveController] = AdaptiveController(**dict(adaptive))
+        elif isinstance(adaptive, bool):
+            self.adaptive = AdaptiveController() if adaptive else None
+        else:
+            raise TypeError(f"adaptive must be a bool or a dict of settings, got {type(adaptive).__name__}")
         self.step = 0
         self.skipped_steps = 0
         self.strategy_used: Optional[str] = None
@@ -186,6 +200,8 @@ class GradqState:
 
     def _reset_runtime(self) -> None:
         self._checked = False
+        self._mode: Optional[str] = None       # this step's mode under the adaptive mode
+        self._fp32_step: Optional[dict[str, Any]] = None  # a float32 step's bookkeeping
         self._step_work: Optional[_Step] = None
         self._groups: Optional[list[_Group]] = None  # built at the first step (a pure function of the model)
         self._group_of: dict[str, int] = {}
@@ -221,7 +237,9 @@ class GradqState:
                            "bits_per_coord": 8.0 * fig.bytes_sent / coords if coords else 0.0,
                            "seconds": seconds, "wait_seconds": wait_s, "encode_seconds": enc, "comm_seconds": com,
                            "decode_seconds": dec, "skipped": skipped, "strategy": self.strategy_used,
-                           "groups": len(work.launched)}
+                           "groups": len(work.launched), "mode": "spec"}
+        if self.adaptive is not None:
+            self.last_stats.update(self.adaptive.stats())
         if self.measure_error and fig.quantized_coords:
             self.last_stats["rel_error"] = (fig.err2 / fig.ref2) ** 0.5 if fig.ref2 > 0 else 0.0
         tot = self.totals
@@ -261,7 +279,8 @@ class GradqState:
         """Everything that must be equal on all ranks (and between a checkpoint and its resume)."""
         return {"spec": self.spec, "strategy": self.strategy, "seed": self.seed, "min_numel": self.min_numel,
                 "keep_1d_fp32": self.keep_1d_fp32, "uncompressed": sorted(self.uncompressed),
-                "warmup_steps": self.warmup_steps, "nan_policy": self.nan_policy, "group_mb": self.group_mb}
+                "warmup_steps": self.warmup_steps, "nan_policy": self.nan_policy, "group_mb": self.group_mb,
+                "adaptive": None if self.adaptive is None else self.adaptive.settings()}
 
     def _check_consistency(self, device: torch.device) -> None:
         """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches."""
@@ -284,12 +303,14 @@ class GradqState:
         """Step, seed, spec/settings, skipped steps and the error-feedback residuals (by parameter name)."""
         q = self.quantizer
         return {"step": self.step, "skipped_steps": self.skipped_steps, "settings": self.settings(),
-                "residuals": q.state_dict()["residuals"] if isinstance(q, ErrorFeedback) else {}}
+                "residuals": q.state_dict()["residuals"] if isinstance(q, ErrorFeedback) else {},
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the spec and settings must match this state's."""
         saved = dict(state["settings"])
         mine = self.settings()
+        saved.setdefault("adaptive", None)  # (written before the adaptive mode existed)
         if "group_mb" not in saved:  # written before the hook grouped parameters: its layout was per step
             logger.warning("GradqState.load_state_dict: the checkpoint predates parameter groups; the run "
                            "continues, but not bit for bit as the run that wrote it would have")
@@ -303,6 +324,8 @@ class GradqState:
             self.quantizer.load_state_dict({"spec": self.spec, "residuals": state["residuals"]})
         elif state["residuals"]:
             raise ValueError("checkpoint holds error-feedback residuals but this spec has no error feedback")
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self._reset_runtime()
@@ -383,6 +406,15 @@ def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[to
     if not state._checked:
         with time_limit(state.process_group, state.timeout):
             state._check_consistency(buf.device)
+    if state.adaptive is not None:
+        if bucket.index() == 0:
+            mode = state.adaptive.start_step(state.step, lambda v: max_over_ranks(v, state.process_group, buf.device))
+            if mode != state._mode and state._mode is not None:
+                logger.info("gradq_hook: adaptive mode %s -> %s at step %d (%s)", state._mode, mode, state.step,
+                            state.adaptive.stats())
+            state._mode = mode
+        if state._mode == FP32:
+            return _fp32_bucket(state, bucket)
     if bucket.index() == 0 or state._step_work is None:
         _drop_step(state)  # (none is left over normally: the last bucket ends every step)
         rank, world = dist.get_rank(state.process_group), dist.get_world_size(state.process_group)
@@ -400,6 +432,50 @@ def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[to
             work.close()
         finally:
             work.release()
+    return fut
+
+
+def _fp32_bucket(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A float32 step of the adaptive mode: the bucket averaged by the backend's own all-reduce,
+    asynchronously (its future completes when the average is in place), as DDP's default hook does."""
+    buf = bucket.buffer()
+    group = state.process_group
+    world = dist.get_world_size(group)
+    if bucket.index() == 0 or state._fp32_step is None:
+        state._fp32_step = {"t0": time.perf_counter(), "coords": 0, "buckets": 0}
+    step = state._fp32_step
+    step["coords"] += buf.numel()
+    step["buckets"] += 1
+    buf.div_(world)  # divided, then summed: DDP's own order, so the average is DDP's bit for bit
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        # what the step waits for once its last bucket is handed over (as gradq's wait_seconds):
+        # from that call to the last completion; updated as the completions come in
+        step["done"] = max(step.get("done", 0.0), time.perf_counter())
+        if "t_last" in step and state.last_stats.get("step") == step.get("index"):
+            state.last_stats["wait_seconds"] = state.last_stats["comm_seconds"] = max(0.0, step["done"] - step["t_last"])
+        return f.value()[0]
+
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future().then(done)
+    if bucket.is_last():
+        state._fp32_step = None
+        step["t_last"], step["index"] = time.perf_counter(), state.step
+        coords = step["coords"]
+        # what a ring all-reduce sends per worker: 2(M−1)/M of the float32 bytes
+        sent = int(round(2 * (world - 1) / world * 4 * coords)) if world > 1 else 0
+        seconds = time.perf_counter() - step["t0"]
+        state.last_stats = {"step": state.step, "bytes_sent": sent, "coords": coords, "quantized_coords": 0,
+                            "bits_per_coord": 8.0 * sent / coords if coords else 0.0, "seconds": seconds,
+                            "wait_seconds": max(0.0, step.get("done", 0.0) - step["t_last"]), "encode_seconds": 0.0,
+                            "comm_seconds": max(0.0, step.get("done", 0.0) - step["t_last"]), "decode_seconds": 0.0,
+                            "skipped": False, "strategy": "fp32", "groups": step["buckets"], "mode": "fp32",
+                            **state.adaptive.stats()}  # type: ignore[union-attr]
+        tot = state.totals
+        tot["bytes_sent"] += sent
+        tot["coords"] += coords
+        tot["seconds"] += seconds
+        tot["steps"] += 1
+        state.step += 1
     return fut
 
 

@@ -82,6 +82,7 @@ class TrainConfig:
     strategy: str = "auto"
     min_numel: int = 10_000
     hook_warmup_steps: int = 0  # gradq hook: first steps averaged in float32
+    adaptive: bool = False  # gradq hook: time float32 and the spec, run the faster (gradq.adaptive)
     uncompressed: list[str] = field(default_factory=list)
     log_every: int = 1
     test_fraction: float = 0.2
@@ -107,7 +108,8 @@ class TrainConfig:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
         baseline_kind(self.compressor)  # a bad compressor fails here, before any process starts
         if self.label is None:
-            self.label = self.compressor
+            adaptive = self.adaptive and baseline_kind(self.compressor)[0] == "gradq"
+            self.label = self.compressor + (" (adaptive)" if adaptive else "")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -252,7 +254,7 @@ def _install(ddp: nn.parallel.DistributedDataParallel, cfg: TrainConfig, world: 
 
         state = gradq.register(ddp, cfg.compressor, cfg.strategy, seed=cfg.seed, min_numel=cfg.min_numel,
                                warmup_steps=cfg.hook_warmup_steps, uncompressed=cfg.uncompressed,
-                               measure_error=cfg.measure_error, timeout=cfg.comm_timeout)
+                               measure_error=cfg.measure_error, timeout=cfg.comm_timeout, adaptive=cfg.adaptive)
         # load the scheme's compiled kernels now, not inside the first timed step
         q = gradq.build(cfg.compressor)
         p = q.encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)), seed=0)
@@ -402,9 +404,13 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                 sums += torch.tensor([lv * len(idx), float((out_b.argmax(1) == y_tr[idx]).sum()), len(idx)],
                                      dtype=torch.float64, device=device)
                 if step % cfg.log_every == 0:
+                    extra = {}
+                    if state is not None and state.adaptive is not None:  # the mode of this step, and decisions
+                        extra = {"mode": state.last_stats.get("mode"), "adaptive_chosen": state.adaptive.chosen,
+                                 "adaptive_medians": dict(state.adaptive.medians)}
                     write({"kind": "step", "epoch": epoch, "step": step, "loss": lv, "lr": lr, "wall_s": wall,
                            "compute_s": comp, "encode_s": enc, "comm_s": com, "decode_s": dec,
-                           "bytes_sent": sent, "bits_per_coordinate": bpc, "rel_error": rel})
+                           "bytes_sent": sent, "bits_per_coordinate": bpc, "rel_error": rel, **extra})
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{lv:.3f}", refresh=False)
@@ -425,6 +431,9 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
             summary = {"kind": "summary", "epochs": cfg.epochs, "steps": step, "wall_s": wall,
                        "final_loss": summary["loss"], "final_test_accuracy": summary["test_accuracy"],
                        "bytes_sent": total_bytes}
+            if state is not None and state.adaptive is not None:
+                summary["adaptive_decisions"] = [dict(d) for d in state.adaptive.decisions]
+                summary["adaptive_chosen"] = state.adaptive.chosen
             write(summary)
             return summary
         return None

@@ -1,0 +1,186 @@
+"""Adaptive compression: time whole steps with float32 averaging and with the spec, run the faster.
+
+Compression pays only where the network is the bottleneck. :class:`AdaptiveController` decides it
+for a DDP hook, per run, from measurements:
+
+* **Probing.** For ``probe_steps + 1`` steps the hook averages in float32, then for as many it
+  averages with the spec; the first step of each block is not counted (it pays for the switch).
+  The controller times whole steps: the interval between the starts of consecutive steps, so
+  forward, backward, optimizer and the wait for communication are all in it.
+* **Deciding.** The ranks agree in one small collective: a MAX all-reduce of every rank's two
+  medians, so the slowest rank's view decides, and identically everywhere. The spec is chosen only
+  if its median is below float32's by more than ``margin``; float32 is always safe for accuracy.
+* **Following changes.**
+  - Every ``reprobe_every`` steps the controller probes again.
+  - Every ``check_every`` steps the ranks compare the running median of the chosen mode with its
+    median at the decision: one more small MAX all-reduce. A drift beyond ``drift`` (relative)
+    probes again at once.
+  - Both triggers are functions of the step and of agreed values, so every rank switches at the
+    same step.
+
+Error feedback across a switch **[decided]**: residuals are kept, untouched, through float32 steps
+and resume when compression resumes. During float32 steps the exact gradient is sent, so "what was
+sent = the gradients − the residuals" stays true over the whole run.
+
+Resume: :meth:`AdaptiveController.state_dict` holds the mode, the probe's samples and the schedule,
+so a resumed run continues in the same mode at the same step. Decisions after that depend on
+timings, which no run reproduces; given the same decisions, the results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["AdaptiveController", "FP32", "SPEC"]
+
+FP32 = "fp32"
+SPEC = "spec"
+
+
+@dataclass
+class AdaptiveController:
+    """The adaptive mode's schedule and measurements (see the module docstring).
+
+    Args:
+        probe_steps: counted steps per mode in a probe (default 5).
+        reprobe_every: steps between the end of a probe and the next one (default 500).
+        check_every: steps between drift checks (default 50).
+        drift: relative change of the chosen mode's median that triggers a new probe (default 0.25).
+        margin: the spec must beat float32 by this fraction to be chosen (default 0.02).
+    """
+
+    probe_steps: int = 5
+    reprobe_every: int = 500
+    check_every: int = 50
+    drift: float = 0.25
+    margin: float = 0.02
+    #: ``"probe"`` or ``"run"``
+    phase: str = "probe"
+    #: the mode of the run phase (``"fp32"`` until a probe decides)
+    chosen: str = FP32
+    #: the step at which the current probe started (or the next one starts, in the run phase)
+    probe_start: int = 0
+    samples: dict[str, list[float]] = field(default_factory=lambda: {FP32: [], SPEC: []})
+    #: the agreed medians of the last decision (seconds per step), and the decisions so far
+    medians: dict[str, float] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    _last_start: Optional[float] = field(default=None, repr=False)
+    _last_mode: Optional[str] = field(default=None, repr=False)
+    _last_step: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("probe_steps", "reprobe_every", "check_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not self.drift > 0 or not 0 <= self.margin < 1:
+            raise ValueError(f"drift must be > 0 and margin in [0, 1), got {self.drift!r} and {self.margin!r}")
+
+    # -- the schedule ------------------------------------------------------------------------------
+    def mode(self, step: int) -> str:
+        """The mode of ``step``: during a probe, float32 for its first ``probe_steps + 1`` steps and
+        the spec for the next as many; in the run phase, the chosen one."""
+        if self.phase == "probe":
+            k = step - self.probe_start
+            return FP32 if k < self.probe_steps + 1 else SPEC
+        return self.chosen
+
+    def start_step(self, step: int, agree: Callable[[list[float]], list[float]]) -> str:
+        """Called as a step starts (the hook's first bucket): credit the previous interval to the
+        previous step's mode, decide or check when the schedule says so, and return this step's mode.
+
+        ``agree`` sums nothing: it takes this rank's values and returns their MAX over the ranks (a
+        small all-reduce; called at the same steps on every rank)."""
+        now = self.clock()
+        if self._last_start is not None and self._last_step == step - 1 and self._last_mode is not None:
+            self._credit(step - 1, self._last_mode, now - self._last_start)
+        if self.phase == "probe" and step - self.probe_start >= 2 * (self.probe_steps + 1):
+            self._decide(step, agree)
+        elif self.phase == "run":
+            if step >= self.probe_start:
+                self._begin_probe(step)
+            elif step % self.check_every == 0 and len(self.recent) >= min(self.check_every, 10):
+                self._check_drift(step, agree)
+        mode = self.mode(step)
+        self._last_start, self._last_mode, self._last_step = now, mode, step
+        return mode
+
+    def _credit(self, step: int, mode: str, seconds: float) -> None:
+        if self.phase == "probe":
+            k = step - self.probe_start
+            if k not in (0, self.probe_steps + 1):   # the first step of each block pays for the switch
+                self.samples[mode].append(seconds)
+        elif mode == self.chosen:
+            self.recent.append(seconds)
+            del self.recent[:-self.check_every]
+
+    def _begin_probe(self, step: int) -> None:
+        self.phase = "probe"
+        self.probe_start = step
+        self.samples = {FP32: [], SPEC: []}
+
+    def _decide(self, step: int, agree: Callable[[list[float]], list[float]]) -> None:
+        mine = [statistics.median(self.samples[FP32]), statistics.median(self.samples[SPEC])]
+        t32, tspec = agree(mine)
+        chosen = SPEC if tspec < t32 * (1.0 - self.margin) else FP32
+        self.medians = {FP32: t32, SPEC: tspec}
+        self.decisions.append({"step": step, "chosen": chosen, "fp32_s": t32, "spec_s": tspec,
+                               "switch": chosen != self.chosen or not self.decisions})
+        self.chosen = chosen
+        self.phase = "run"
+        self.probe_start = step + self.reprobe_every
+        self.recent = []
+
+    def _check_drift(self, step: int, agree: Callable[[list[float]], list[float]]) -> None:
+        ref = self.medians.get(self.chosen)
+        if not ref:
+            return
+        now = statistics.median(self.recent)
+        off = abs(now - ref) / ref
+        (worst,) = agree([off])
+        if worst > self.drift:
+            self.decisions.append({"step": step, "chosen": self.chosen, "drift": worst, "reprobe": True})
+            self._begin_probe(step)
+
+    # -- reports and checkpoints -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """What ``last_stats`` shows: the phase, the chosen mode, the agreed medians, decisions so far."""
+        return {"adaptive_phase": self.phase, "adaptive_chosen": self.chosen,
+                "adaptive_medians": dict(self.medians), "adaptive_decisions": len(self.decisions)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "chosen": self.chosen, "probe_start": self.probe_start,
+                "samples": {k: list(v) for k, v in self.samples.items()}, "medians": dict(self.medians),
+                "decisions": [dict(d) for d in self.decisions], "recent": list(self.recent),
+                "settings": self.settings()}
+
+    def settings(self) -> dict[str, Any]:
+        return {"probe_steps": self.probe_steps, "reprobe_every": self.reprobe_every,
+                "check_every": self.check_every, "drift": self.drift, "margin": self.margin}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["settings"] != self.settings():
+            raise ValueError(f"adaptive settings differ: saved {state['settings']}, now {self.settings()}")
+        self.phase, self.chosen, self.probe_start = state["phase"], state["chosen"], int(state["probe_start"])
+        self.samples = {k: list(v) for k, v in state["samples"].items()}
+        self.medians = dict(state["medians"])
+        self.decisions = [dict(d) for d in state["decisions"]]
+        self.recent = list(state["recent"])
+        self._last_start = self._last_mode = None
+        self._last_step = -1
+
+
+def max_over_ranks(values: list[float], group: Any, device: torch.device) -> list[float]:
+    """The MAX over the group's ranks of every value (one small all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()

@@ -1,0 +1,215 @@
+"""The adaptive mode: its schedule and decisions (a fake clock, no processes), then the DDP hook with it on
+2 gloo processes (one spawn; a fake clock decides, so the decisions and the results are reproducible)."""
+
+from __future__ import annotations
+
+import io
+
+import gradq_testing
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradq
+from gradq.adaptive import FP32, SPEC, AdaptiveController
+
+
+class FakeClock:
+    """Steps take ``cost[mode]`` seconds: the controller reads the clock once per step start."""
+
+    def __init__(self, cost: dict[str, float]):
+        self.cost = cost
+        self.now = 0.0
+        self.mode = FP32
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self) -> None:
+        self.now += self.cost[self.mode]
+
+
+def run(ctrl: AdaptiveController, clock: FakeClock, steps: int, agree=lambda v: v) -> list[str]:
+    modes = []
+    for step in range(steps):
+        clock.mode = ctrl.start_step(step, agree)
+        modes.append(clock.mode)
+        clock.advance()
+    return modes
+
+
+def test_probe_then_runs_the_faster_mode():
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=3, reprobe_every=100, clock=clock)
+    modes = run(ctrl, clock, 20)
+    assert modes[:8] == [FP32] * 4 + [SPEC] * 4      # two blocks of probe_steps + 1
+    assert modes[8:] == [SPEC] * 12
+    assert ctrl.decisions[0]["chosen"] == SPEC and ctrl.medians == {FP32: 1.0, SPEC: 0.5}
+    clock = FakeClock({FP32: 1.0, SPEC: 0.99})       # within the margin: float32 (always safe)
+    ctrl = AdaptiveController(probe_steps=3, clock=clock)
+    assert run(ctrl, clock, 12)[8:] == [FP32] * 4
+
+
+def test_the_first_step_of_each_block_is_not_counted():
+    """The first step after a switch pays for it (a first call, a cold cache): not a sample."""
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=2, clock=clock)
+    clock.mode = ctrl.start_step(0, lambda v: v)
+    clock.now += 50.0                               # a slow first step
+    for step in range(1, 6):
+        clock.mode = ctrl.start_step(step, lambda v: v)
+        clock.advance()
+    ctrl.start_step(6, lambda v: v)
+    assert ctrl.medians[FP32] == 1.0
+
+
+def test_periodic_reprobe_and_drift():
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=2, reprobe_every=30, check_every=10, drift=0.25, clock=clock)
+    modes = run(ctrl, clock, 6 + 30 + 7)
+    assert modes[36:42] == [FP32] * 3 + [SPEC] * 3   # probed again 30 steps after the decision
+    assert len(ctrl.decisions) == 2 and modes[42] == SPEC
+    # the spec's steps become slow (the network changed): a drift check starts a probe at once
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=2, reprobe_every=1000, check_every=10, clock=clock)
+    run(ctrl, clock, 6)
+    clock.cost[SPEC] = 2.0
+    modes = []
+    for step in range(6, 40):
+        clock.mode = ctrl.start_step(step, lambda v: v)
+        modes.append(clock.mode)
+        clock.advance()
+    assert any(d.get("reprobe") for d in ctrl.decisions)
+    assert modes[-1] == FP32 and ctrl.chosen == FP32
+
+
+def test_every_rank_takes_the_slowest_ranks_view():
+    """The medians are MAX-reduced: a rank that finds the spec faster still follows the slowest rank."""
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=2, clock=clock)
+    run(ctrl, clock, 7, agree=lambda v: [max(v[0], 1.0), max(v[1], 1.2)] if len(v) == 2 else v)
+    assert ctrl.chosen == FP32 and ctrl.medians == {FP32: 1.0, SPEC: 1.2}
+
+
+def test_state_dict_continues_the_schedule():
+    clock = FakeClock({FP32: 1.0, SPEC: 0.5})
+    ctrl = AdaptiveController(probe_steps=2, reprobe_every=20, clock=clock)
+    run(ctrl, clock, 5)                              # mid-probe
+    again = AdaptiveController(probe_steps=2, reprobe_every=20, clock=clock)
+    again.load_state_dict(ctrl.state_dict())
+    assert again.state_dict() == ctrl.state_dict()
+    with pytest.raises(ValueError, match="adaptive settings differ"):
+        AdaptiveController(probe_steps=3).load_state_dict(ctrl.state_dict())
+    with pytest.raises(ValueError):
+        AdaptiveController(probe_steps=0)
+
+
+# -- the DDP hook with adaptive=True on 2 gloo processes -------------------------------------------------------
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train(model, state, clock, rank, steps, opt):
+    modes = []
+    for s in steps:
+        opt.zero_grad()
+        x, y = batch(rank, s)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        modes.append(state.last_stats["mode"])
+        clock.mode = FP32 if state.last_stats["mode"] == "fp32" else SPEC
+        clock.advance()
+    return modes
+
+
+def _child(rank: int, world: int, tmp: str) -> None:
+    gradq_testing.init_gloo(tmp, rank, world)
+    try:
+        out = {}
+        for name, cost in (("spec_wins", {FP32: 1.0, SPEC: 0.5}), ("fp32_wins", {FP32: 1.0, SPEC: 3.0})):
+            model = DDP(net(), bucket_cap_mb=0.01)
+            st = gradq.register(model, "qsgd:bits=4", min_numel=100, adaptive={"probe_steps": 2, "reprobe_every": 50})
+            clock = FakeClock(cost)
+            st.adaptive.clock = clock
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            out[f"{name}|modes"] = train(model, st, clock, rank, range(10), opt)
+            out[f"{name}|stats"] = dict(st.last_stats)
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            got = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(got, flat)
+            out[f"{name}|same"] = all(torch.equal(got[0], g) for g in got[1:])
+        # float32 steps average exactly as DDP's own all-reduce does
+        a, b = DDP(net(), bucket_cap_mb=0.01), DDP(net(), bucket_cap_mb=0.01)
+        st = gradq.register(a, "qsgd:bits=4", adaptive={"probe_steps": 2})
+        st.adaptive.clock = FakeClock({FP32: 1.0, SPEC: 1.0})
+        for m in (a, b):
+            x, y = batch(rank, 0)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        out["fp32_equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+        out["fp32_stats"] = dict(st.last_stats)
+        # checkpoint after the decision, resume into a fresh model: the same parameters as without a break
+        def fresh():
+            m = DDP(net(), bucket_cap_mb=0.01)
+            s_ = gradq.register(m, "qsgd:bits=4", min_numel=100, adaptive={"probe_steps": 2, "reprobe_every": 50})
+            c = FakeClock({FP32: 1.0, SPEC: 0.5})
+            s_.adaptive.clock = c
+            return m, s_, c, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        m1, s1, c1, o1 = fresh()
+        train(m1, s1, c1, rank, range(12), o1)
+        m2, s2, c2, o2 = fresh()
+        train(m2, s2, c2, rank, range(8), o2)
+        buf = io.BytesIO()
+        torch.save({"model": m2.module.state_dict(), "opt": o2.state_dict(), "hook": s2.state_dict()}, buf)
+        buf.seek(0)
+        ck = torch.load(buf, weights_only=False)
+        m3, s3, c3, o3 = fresh()
+        m3.module.load_state_dict(ck["model"])
+        o3.load_state_dict(ck["opt"])
+        s3.load_state_dict(ck["hook"])
+        c3.now = c2.now
+        out["resume_modes"] = train(m3, s3, c3, rank, range(8, 12), o3)
+        out["resume_exact"] = all(torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
+        torch.save(out, f"{tmp}/out{rank}.pt")
+    finally:
+        gradq_testing.teardown()
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("adaptive"))
+    mp.spawn(_child, args=(2, tmp), nprocs=2, join=True)
+    return [torch.load(f"{tmp}/out{r}.pt") for r in range(2)]
+
+
+def test_hook_probes_then_keeps_the_faster_mode(outs):
+    for r in outs:
+        assert r["spec_wins|modes"] == ["fp32"] * 3 + ["spec"] * 3 + ["spec"] * 4
+        assert r["fp32_wins|modes"] == ["fp32"] * 3 + ["spec"] * 3 + ["fp32"] * 4
+        for name in ("spec_wins", "fp32_wins"):
+            assert r[f"{name}|same"], name                  # replicas identical through the switches
+        st = r["spec_wins|stats"]
+        assert st["adaptive_chosen"] == "spec" and st["adaptive_phase"] == "run" and 0 < st["bits_per_coord"] < 32
+        st = r["fp32_wins|stats"]
+        assert st["mode"] == "fp32" and st["quantized_coords"] == 0
+        assert st["adaptive_medians"] == {"fp32": 1.0, "spec": 3.0}
+
+
+def test_float32_steps_are_ddps_own_average(outs):
+    for r in outs:
+        assert r["fp32_equal"]
+        st = r["fp32_stats"]
+        assert st["mode"] == "fp32" and st["bytes_sent"] == 4 * st["coords"]   # 2(M−1)/M·4 bytes, M = 2
+
+
+def test_resume_continues_exactly(outs):
+    for r in outs:
+        assert r["resume_modes"] == ["spec"] * 4
+        assert r["resume_exact"]
