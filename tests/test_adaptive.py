@@ -42,38 +42,38 @@ def run(ctrl: AdaptiveController, clock: FakeClock, steps: int, agree=lambda v: 
 
 def test_probe_then_runs_the_faster_mode():
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
-    ctrl = AdaptiveController(probe_steps=3, reprobe_every=100, clock=clock)
+    ctrl = AdaptiveController(probe_steps=3, settle=2, reprobe_every=100, clock=clock)
     modes = run(ctrl, clock, 20)
-    assert modes[:8] == [FP32] * 4 + [SPEC] * 4      # two blocks of probe_steps + 1
+    assert modes[:8] == [FP32] * 2 + [FP32, SPEC] * 3   # settling steps, then the two modes in turn
     assert modes[8:] == [SPEC] * 12
     assert ctrl.decisions[0]["chosen"] == SPEC and ctrl.medians == {FP32: 1.0, SPEC: 0.5}
     clock = FakeClock({FP32: 1.0, SPEC: 0.99})       # within the margin: float32 (always safe)
-    ctrl = AdaptiveController(probe_steps=3, clock=clock)
+    ctrl = AdaptiveController(probe_steps=3, settle=2, clock=clock)
     assert run(ctrl, clock, 12)[8:] == [FP32] * 4
 
 
-def test_the_first_step_of_each_block_is_not_counted():
-    """The first step after a switch pays for it (a first call, a cold cache): not a sample."""
+def test_the_settling_steps_are_not_counted():
+    """The first steps of a run are slow (caches, DDP's bucket rebuild, first calls): not samples."""
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
-    ctrl = AdaptiveController(probe_steps=2, clock=clock)
-    clock.mode = ctrl.start_step(0, lambda v: v)
-    clock.now += 50.0                               # a slow first step
-    for step in range(1, 6):
+    ctrl = AdaptiveController(probe_steps=2, settle=2, clock=clock)
+    for step in range(7):
         clock.mode = ctrl.start_step(step, lambda v: v)
         clock.advance()
-    ctrl.start_step(6, lambda v: v)
-    assert ctrl.medians[FP32] == 1.0
+        if step < 2:
+            clock.now += 50.0                       # two slow first steps
+    ctrl.start_step(7, lambda v: v)
+    assert ctrl.medians == {FP32: 1.0, SPEC: 0.5}
 
 
 def test_periodic_reprobe_and_drift():
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
-    ctrl = AdaptiveController(probe_steps=2, reprobe_every=30, check_every=10, drift=0.25, clock=clock)
-    modes = run(ctrl, clock, 6 + 30 + 7)
-    assert modes[36:42] == [FP32] * 3 + [SPEC] * 3   # probed again 30 steps after the decision
-    assert len(ctrl.decisions) == 2 and modes[42] == SPEC
+    ctrl = AdaptiveController(probe_steps=2, settle=1, reprobe_every=30, check_every=10, drift=0.25, clock=clock)
+    modes = run(ctrl, clock, 5 + 30 + 6)
+    assert modes[35:40] == [FP32, FP32, SPEC, FP32, SPEC]   # probed again 30 steps after the decision
+    assert len(ctrl.decisions) == 2 and modes[40] == SPEC
     # the spec's steps become slow (the network changed): a drift check starts a probe at once
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
-    ctrl = AdaptiveController(probe_steps=2, reprobe_every=1000, check_every=10, clock=clock)
+    ctrl = AdaptiveController(probe_steps=2, settle=1, reprobe_every=1000, check_every=10, clock=clock)
     run(ctrl, clock, 6)
     clock.cost[SPEC] = 2.0
     modes = []
@@ -88,7 +88,7 @@ def test_periodic_reprobe_and_drift():
 def test_every_rank_takes_the_slowest_ranks_view():
     """The medians are MAX-reduced: a rank that finds the spec faster still follows the slowest rank."""
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
-    ctrl = AdaptiveController(probe_steps=2, clock=clock)
+    ctrl = AdaptiveController(probe_steps=2, settle=1, clock=clock)
     run(ctrl, clock, 7, agree=lambda v: [max(v[0], 1.0), max(v[1], 1.2)] if len(v) == 2 else v)
     assert ctrl.chosen == FP32 and ctrl.medians == {FP32: 1.0, SPEC: 1.2}
 
@@ -191,8 +191,9 @@ def outs(tmp_path_factory):
 
 def test_hook_probes_then_keeps_the_faster_mode(outs):
     for r in outs:
-        assert r["spec_wins|modes"] == ["fp32"] * 3 + ["spec"] * 3 + ["spec"] * 4
-        assert r["fp32_wins|modes"] == ["fp32"] * 3 + ["spec"] * 3 + ["fp32"] * 4
+        probe = ["fp32"] * 3 + ["fp32", "spec"] * 2     # settle 3, then probe_steps 2 of each in turn
+        assert r["spec_wins|modes"] == probe + ["spec"] * 3
+        assert r["fp32_wins|modes"] == probe + ["fp32"] * 3
         for name in ("spec_wins", "fp32_wins"):
             assert r[f"{name}|same"], name                  # replicas identical through the switches
         st = r["spec_wins|stats"]

@@ -3,10 +3,11 @@
 Compression pays only where the network is the bottleneck. :class:`AdaptiveController` decides it
 for a DDP hook, per run, from measurements:
 
-* **Probing.** For ``probe_steps + 1`` steps the hook averages in float32, then for as many it
-  averages with the spec; the first step of each block is not counted (it pays for the switch).
-  The controller times whole steps: the interval between the starts of consecutive steps, so
-  forward, backward, optimizer and the wait for communication are all in it.
+* **Probing.** After ``settle`` uncounted float32 steps (the first steps of a run are slow: caches,
+  DDP's bucket rebuild, first calls), the hook alternates float32 and the spec for
+  ``2·probe_steps`` steps, so a drift of the machine hits both modes alike. The controller times
+  whole steps: the interval between the starts of consecutive steps, so forward, backward,
+  optimizer and the wait for communication are all in it.
 * **Deciding.** The ranks agree in one small collective: a MAX all-reduce of every rank's two
   medians, so the slowest rank's view decides, and identically everywhere. The spec is chosen only
   if its median is below float32's by more than ``margin``; float32 is always safe for accuracy.
@@ -48,6 +49,7 @@ class AdaptiveController:
 
     Args:
         probe_steps: counted steps per mode in a probe (default 5).
+        settle: uncounted float32 steps before a probe's samples (default 3).
         reprobe_every: steps between the end of a probe and the next one (default 500).
         check_every: steps between drift checks (default 50).
         drift: relative change of the chosen mode's median that triggers a new probe (default 0.25).
@@ -55,6 +57,7 @@ class AdaptiveController:
     """
 
     probe_steps: int = 5
+    settle: int = 3
     reprobe_every: int = 500
     check_every: int = 50
     drift: float = 0.25
@@ -76,20 +79,24 @@ class AdaptiveController:
     _last_step: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("probe_steps", "reprobe_every", "check_every"):
+        for name in ("probe_steps", "reprobe_every", "check_every", "settle"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "settle" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'settle' else 'positive'} int, "
+                                 f"got {v!r}")
         if not self.drift > 0 or not 0 <= self.margin < 1:
             raise ValueError(f"drift must be > 0 and margin in [0, 1), got {self.drift!r} and {self.margin!r}")
 
     # -- the schedule ------------------------------------------------------------------------------
+    def _probe_len(self) -> int:
+        return self.settle + 2 * self.probe_steps
+
     def mode(self, step: int) -> str:
-        """The mode of ``step``: during a probe, float32 for its first ``probe_steps + 1`` steps and
-        the spec for the next as many; in the run phase, the chosen one."""
+        """The mode of ``step``: during a probe, float32 for its ``settle`` first steps, then float32
+        and the spec in turn; in the run phase, the chosen one."""
         if self.phase == "probe":
             k = step - self.probe_start
-            return FP32 if k < self.probe_steps + 1 else SPEC
+            return FP32 if k < self.settle or (k - self.settle) % 2 == 0 else SPEC
         return self.chosen
 
     def start_step(self, step: int, agree: Callable[[list[float]], list[float]]) -> str:
@@ -101,7 +108,7 @@ class AdaptiveController:
         now = self.clock()
         if self._last_start is not None and self._last_step == step - 1 and self._last_mode is not None:
             self._credit(step - 1, self._last_mode, now - self._last_start)
-        if self.phase == "probe" and step - self.probe_start >= 2 * (self.probe_steps + 1):
+        if self.phase == "probe" and step - self.probe_start >= self._probe_len():
             self._decide(step, agree)
         elif self.phase == "run":
             if step >= self.probe_start:
@@ -114,8 +121,7 @@ class AdaptiveController:
 
     def _credit(self, step: int, mode: str, seconds: float) -> None:
         if self.phase == "probe":
-            k = step - self.probe_start
-            if k not in (0, self.probe_steps + 1):   # the first step of each block pays for the switch
+            if step - self.probe_start >= self.settle:
                 self.samples[mode].append(seconds)
         elif mode == self.chosen:
             self.recent.append(seconds)
@@ -162,7 +168,7 @@ class AdaptiveController:
                 "settings": self.settings()}
 
     def settings(self) -> dict[str, Any]:
-        return {"probe_steps": self.probe_steps, "reprobe_every": self.reprobe_every,
+        return {"probe_steps": self.probe_steps, "settle": self.settle, "reprobe_every": self.reprobe_every,
                 "check_every": self.check_every, "drift": self.drift, "margin": self.margin}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
