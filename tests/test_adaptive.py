@@ -68,16 +68,17 @@ def test_the_settling_steps_are_not_counted():
 def test_periodic_reprobe_and_drift():
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
     ctrl = AdaptiveController(probe_steps=2, settle=1, reprobe_every=30, check_every=10, drift=0.25, clock=clock)
-    modes = run(ctrl, clock, 5 + 30 + 6)
-    assert modes[35:40] == [FP32, FP32, SPEC, FP32, SPEC]   # probed again 30 steps after the decision
-    assert len(ctrl.decisions) == 2 and modes[40] == SPEC
+    modes = run(ctrl, clock, 5 + 30 + 5)
+    assert modes[35:39] == [FP32, SPEC, FP32, SPEC]   # probed again 30 steps after the decision (no settling)
+    assert len(ctrl.decisions) == 2 and modes[39] == SPEC
     # the spec's steps become slow (the network changed): a drift check starts a probe at once
     clock = FakeClock({FP32: 1.0, SPEC: 0.5})
     ctrl = AdaptiveController(probe_steps=2, settle=1, reprobe_every=1000, check_every=10, clock=clock)
-    run(ctrl, clock, 6)
+    run(ctrl, clock, 25)                             # decided at step 5; the steady baseline taken at step 10
+    assert ctrl.baseline == 0.5
     clock.cost[SPEC] = 2.0
     modes = []
-    for step in range(6, 40):
+    for step in range(25, 60):
         clock.mode = ctrl.start_step(step, lambda v: v)
         modes.append(clock.mode)
         clock.advance()
@@ -191,9 +192,9 @@ def outs(tmp_path_factory):
 
 def test_hook_probes_then_keeps_the_faster_mode(outs):
     for r in outs:
-        probe = ["fp32"] * 3 + ["fp32", "spec"] * 2     # settle 3, then probe_steps 2 of each in turn
-        assert r["spec_wins|modes"] == probe + ["spec"] * 3
-        assert r["fp32_wins|modes"] == probe + ["fp32"] * 3
+        probe = ["fp32"] * 2 + ["fp32", "spec"] * 2     # settle 2, then probe_steps 2 of each in turn
+        assert r["spec_wins|modes"] == probe + ["spec"] * 4
+        assert r["fp32_wins|modes"] == probe + ["fp32"] * 4
         for name in ("spec_wins", "fp32_wins"):
             assert r[f"{name}|same"], name                  # replicas identical through the switches
         st = r["spec_wins|stats"]

@@ -12,10 +12,10 @@ for a DDP hook, per run, from measurements:
   medians, so the slowest rank's view decides, and identically everywhere. The spec is chosen only
   if its median is below float32's by more than ``margin``; float32 is always safe for accuracy.
 * **Following changes.**
-  - Every ``reprobe_every`` steps the controller probes again.
+  - Every ``reprobe_every`` steps the controller probes again (without settling steps).
   - Every ``check_every`` steps the ranks compare the running median of the chosen mode with its
-    median at the decision: one more small MAX all-reduce. A drift beyond ``drift`` (relative)
-    probes again at once.
+    steady median, taken at the first check after the decision: one more small MAX all-reduce. A
+    drift beyond ``drift`` (relative) probes again at once.
   - Both triggers are functions of the step and of agreed values, so every rank switches at the
     same step.
 
@@ -49,7 +49,7 @@ class AdaptiveController:
 
     Args:
         probe_steps: counted steps per mode in a probe (default 5).
-        settle: uncounted float32 steps before a probe's samples (default 3).
+        settle: uncounted float32 steps before the first probe's samples (default 2).
         reprobe_every: steps between the end of a probe and the next one (default 500).
         check_every: steps between drift checks (default 50).
         drift: relative change of the chosen mode's median that triggers a new probe (default 0.25).
@@ -57,7 +57,7 @@ class AdaptiveController:
     """
 
     probe_steps: int = 5
-    settle: int = 3
+    settle: int = 2
     reprobe_every: int = 500
     check_every: int = 50
     drift: float = 0.25
@@ -73,6 +73,8 @@ class AdaptiveController:
     medians: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     recent: list[float] = field(default_factory=list)
+    #: the chosen mode's steady median (seconds), the drift checks' reference (None: not yet taken)
+    baseline: Optional[float] = None
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     _last_start: Optional[float] = field(default=None, repr=False)
     _last_mode: Optional[str] = field(default=None, repr=False)
@@ -88,15 +90,19 @@ class AdaptiveController:
             raise ValueError(f"drift must be > 0 and margin in [0, 1), got {self.drift!r} and {self.margin!r}")
 
     # -- the schedule ------------------------------------------------------------------------------
+    def _settle(self) -> int:
+        """Uncounted steps at the start of this probe: only the run's first probe needs them."""
+        return 0 if self.decisions else self.settle
+
     def _probe_len(self) -> int:
-        return self.settle + 2 * self.probe_steps
+        return self._settle() + 2 * self.probe_steps
 
     def mode(self, step: int) -> str:
-        """The mode of ``step``: during a probe, float32 for its ``settle`` first steps, then float32
-        and the spec in turn; in the run phase, the chosen one."""
+        """The mode of ``step``: during a probe, float32 for its settling steps (the first probe
+        only), then float32 and the spec in turn; in the run phase, the chosen one."""
         if self.phase == "probe":
-            k = step - self.probe_start
-            return FP32 if k < self.settle or (k - self.settle) % 2 == 0 else SPEC
+            k = step - self.probe_start - self._settle()
+            return FP32 if k < 0 or k % 2 == 0 else SPEC
         return self.chosen
 
     def start_step(self, step: int, agree: Callable[[list[float]], list[float]]) -> str:
@@ -121,7 +127,7 @@ class AdaptiveController:
 
     def _credit(self, step: int, mode: str, seconds: float) -> None:
         if self.phase == "probe":
-            if step - self.probe_start >= self.settle:
+            if step - self.probe_start >= self._settle():
                 self.samples[mode].append(seconds)
         elif mode == self.chosen:
             self.recent.append(seconds)
@@ -143,13 +149,16 @@ class AdaptiveController:
         self.phase = "run"
         self.probe_start = step + self.reprobe_every
         self.recent = []
+        self.baseline = None
 
     def _check_drift(self, step: int, agree: Callable[[list[float]], list[float]]) -> None:
-        ref = self.medians.get(self.chosen)
-        if not ref:
-            return
         now = statistics.median(self.recent)
-        off = abs(now - ref) / ref
+        if self.baseline is None:
+            # the first check after a decision takes the chosen mode's steady median as the reference:
+            # a step timed inside the probe, next to steps of the other mode, is not the same step
+            (self.baseline,) = agree([now])
+            return
+        off = abs(now - self.baseline) / self.baseline if self.baseline > 0 else 0.0
         (worst,) = agree([off])
         if worst > self.drift:
             self.decisions.append({"step": step, "chosen": self.chosen, "drift": worst, "reprobe": True})
@@ -165,7 +174,7 @@ class AdaptiveController:
         return {"phase": self.phase, "chosen": self.chosen, "probe_start": self.probe_start,
                 "samples": {k: list(v) for k, v in self.samples.items()}, "medians": dict(self.medians),
                 "decisions": [dict(d) for d in self.decisions], "recent": list(self.recent),
-                "settings": self.settings()}
+                "baseline": self.baseline, "settings": self.settings()}
 
     def settings(self) -> dict[str, Any]:
         return {"probe_steps": self.probe_steps, "settle": self.settle, "reprobe_every": self.reprobe_every,
@@ -179,6 +188,7 @@ class AdaptiveController:
         self.medians = dict(state["medians"])
         self.decisions = [dict(d) for d in state["decisions"]]
         self.recent = list(state["recent"])
+        self.baseline = state.get("baseline")
         self._last_start = self._last_mode = None
         self._last_step = -1
 
