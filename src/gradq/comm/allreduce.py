@@ -49,6 +49,16 @@ _OPS = ("max", "min", "sum")
 _PROMOTE = {"gloo": {torch.int16: torch.int32}, "nccl": {torch.int16: torch.int32}}
 
 
+def summed_itemsize(world_size: int, max_code: int, fields: bool, backend: str = "gloo") -> int:
+    """Bytes per coordinate that :func:`shared_scale_allreduce` sums at ``world_size`` workers: one
+    byte of fields ``c + s`` while ``2·M·s ≤ 255`` (schemes with a fields path), else the integer
+    type of the sum, as the backend can add it (:func:`reduce_dtype`)."""
+    if fields and 2 * world_size * max_code <= 255:
+        return 1
+    return torch.empty(0, dtype=reduce_dtype(code_dtype(world_size, (2 if fields else 1) * max_code), backend)
+                       ).element_size()
+
+
 def code_dtype(world_size: int, max_code: int) -> torch.dtype:
     """The narrowest signed integer dtype holding any sum of ``world_size`` codes in ``[−s, s]``:
     int8 when ``M·s ≤ 127``, int16 when ``≤ 32767``, int32 when ``≤ 2³¹−1``, else int64."""

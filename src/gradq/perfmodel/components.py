@@ -105,7 +105,11 @@ class Compressor:
         summable: whether the codes of ``M`` workers can be summed in an all-reduce (``None`` = unknown,
             treated as yes); ``False`` makes ``protocol="allreduce"`` an error.
         max_code: largest integer code ``s`` of a summable quantizer (``None`` = not integer codes);
-            ``protocol="auto"`` uses it as gradq does (all-reduce while ``M·s ≤ 127``).
+            ``protocol="auto"`` uses it as gradq does (all-reduce while ``M·s ≤ 127``). With it and no
+            ``sum_bits``, the all-reduce is charged the integer width gradq's protocol sums at ``M``
+            workers (:func:`gradq.comm.allreduce.summed_itemsize`), not the packed ``bits``.
+        fields: whether the scheme sums one-byte fields ``c + s`` (its fused fast path: TernGrad,
+            MaxNorm) rather than integer codes.
     """
 
     name: str = "fp32"
@@ -117,6 +121,7 @@ class Compressor:
     decode_ms_per_mb: float = 0.0
     summable: Optional[bool] = None
     max_code: Optional[int] = None
+    fields: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bits", check_pos(f"bits per coordinate of {self.name!r}", self.bits))
@@ -208,6 +213,7 @@ def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor
     if m:
         return Compressor(name=text, bits=float(m.group(1)), **codec)
     from ..factory import build
+    from ..quantizers.base import SummableQuantizer
 
     try:
         q = build(text)
@@ -215,5 +221,7 @@ def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor
         raise PerfModelError(f"{e}; or write 'none' (fp32) or a width such as '4bit'") from None
     nbytes = _payload_nbytes(q, model.layer_sizes or (model.params,), text)
     mc = getattr(q, "max_code", None) if q.summable else None
+    has_fields = bool(q.summable) and mc is not None and mc <= 127 and not q.needs_shared_seed and \
+        type(q)._fields is not SummableQuantizer._fields
     return Compressor(name=text, bits=8.0 * nbytes / model.params, summable=bool(q.summable),
-                      max_code=None if mc is None else int(mc), **codec)
+                      max_code=None if mc is None else int(mc), fields=has_fields, **codec)

@@ -196,7 +196,15 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
         raise PerfModelError(f"ps_servers must be an integer >= 1, got {ps_servers!r}")
     proto = resolve_protocol(protocol, c, workers)
     n = m.params
-    bits = c.sum_bits if (proto == "allreduce" and c.sum_bits is not None) else c.bits
+    bits = c.bits
+    if proto == "allreduce" and c.sum_bits is not None:
+        bits = c.sum_bits
+    elif proto == "allreduce" and c.max_code is not None and not c.is_fp32:
+        # what gradq's shared-scale all-reduce really sums: one byte or a wider integer per coordinate,
+        # not the packed payload (the scale statistics travel in a separate small exchange)
+        from ..comm.allreduce import summed_itemsize
+
+        bits = 8.0 * summed_itemsize(workers, c.max_code, c.fields)
     size = n * bits / 8.0                                     # S
     out_size = size if ps_requantize else 4.0 * n             # ps pull: re-encoded or fp32
     cost = comm_cost(proto, size, workers, cl, formula=formula, messages=m.n_messages, out_size=out_size,
