@@ -184,8 +184,12 @@ def test_gradq_train_exits_nonzero_with_the_message_and_an_intact_log(tmp_path, 
     assert p.returncode != 0
     assert "exited with" in stderr  # the launcher names the rank that failed
     if sig == signal.SIGSTOP:
-        # rank 0 reports the stall itself, with the step and the collective, after the 3 s limit
-        assert "gradq: rank 0: error: gradq_hook: step" in stderr and "waiting for" in stderr, stderr[-2000:]
+        # rank 0 reports the stall itself after the 3 s limit, naming the collective it waited in: the
+        # hook's (with the step) or, when the stop lands at an epoch's end (22 steps of a few ms each
+        # race past the 5 the test waits for), the runner's all-reduce of the epoch's statistics
+        in_hook = "gradq: rank 0: error: gradq_hook: step" in stderr and "waiting for" in stderr
+        at_epoch_end = "gradq: rank 0: error: the all-reduce of epoch" in stderr
+        assert in_hook or at_epoch_end, stderr[-2000:]
         assert "no answer within 3 s" in stderr, stderr[-2000:]
     assert took < 3 + MARGIN, took
     rows = _rows(log)  # every line is whole JSON (a torn line would raise here)
