@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradq
-from gradq.adaptive import FP32, SPEC, AdaptiveController
+from gradq.adaptive import FP32, NEVER, SPEC, AdaptiveController, fp32_threshold
 
 
 class FakeClock:
@@ -107,6 +107,20 @@ def test_state_dict_continues_the_schedule():
         AdaptiveController(probe_steps=0)
 
 
+def test_fp32_threshold_rule():
+    """n* = fixed cost / (transfer saved per value − codec cost per value); never where the codec costs
+    more than the transfer it saves (a fast link)."""
+    kw = dict(world=4, wire_bits=4.06, protocol="scatter", alpha_s=1e-3, codec_s_per_value=2e-9, call_s=50e-6)
+    saved = (4 * 1.5 - 4.06 / 8 * 1.5) / 1.25e8          # 1 Gbit/s, 4 ranks: 1.5 = 2(M−1)/M
+    assert fp32_threshold(bandwidth=1.25e8, own_call=False, **kw) == pytest.approx(50e-6 / (saved - 2e-9), rel=1e-6, abs=1)
+    assert fp32_threshold(bandwidth=1.25e8, own_call=True, **kw) == pytest.approx(1.05e-3 / (saved - 2e-9), rel=1e-6, abs=1)
+    assert fp32_threshold(bandwidth=5e9, own_call=False, **kw) == NEVER          # loopback: the codec costs more
+    assert fp32_threshold(bandwidth=1.25e8, own_call=False, **dict(kw, world=1)) == NEVER
+    # an all-gather sends (M−1)·payload: at 16 ranks a 4-bit payload saves less than at 4
+    ag = dict(kw, protocol="allgather")
+    assert fp32_threshold(bandwidth=1.25e8, own_call=False, **ag) > fp32_threshold(bandwidth=1.25e8, own_call=False, **kw)
+
+
 # -- the DDP hook with adaptive=True on 2 gloo processes -------------------------------------------------------
 def net() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -178,6 +192,26 @@ def _child(rank: int, world: int, tmp: str) -> None:
         c3.now = c2.now
         out["resume_modes"] = train(m3, s3, c3, rank, range(8, 12), o3)
         out["resume_exact"] = all(torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
+        # min_numel="auto": measured at the first step, the same on every rank, kept by a checkpoint
+        m4 = DDP(net(), bucket_cap_mb=0.01)
+        s4 = gradq.register(m4, "qsgd:bits=4", min_numel="auto")
+        o4 = torch.optim.SGD(m4.parameters(), lr=0.1)
+        for st_ in range(2):
+            o4.zero_grad()
+            x, y = batch(rank, st_)
+            torch.nn.functional.cross_entropy(m4(x), y).backward()
+            o4.step()
+        mine = torch.tensor([float(min(s4.min_numel, 2**53))])
+        both = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(both, mine)
+        out["auto_agree"] = bool(both[0] == both[1])
+        out["auto_value"] = s4.min_numel
+        out["auto_calibration"] = dict(s4.calibration)
+        out["auto_stats"] = dict(s4.last_stats)
+        m5 = DDP(net(), bucket_cap_mb=0.01)
+        s5 = gradq.register(m5, "qsgd:bits=4", min_numel="auto")
+        s5.load_state_dict(s4.state_dict())
+        out["auto_resumed"] = s5.min_numel
         torch.save(out, f"{tmp}/out{rank}.pt")
     finally:
         gradq_testing.teardown()
@@ -215,3 +249,13 @@ def test_resume_continues_exactly(outs):
     for r in outs:
         assert r["resume_modes"] == ["spec"] * 4
         assert r["resume_exact"]
+
+
+def test_min_numel_auto_is_measured_agreed_and_checkpointed(outs):
+    for r in outs:
+        assert r["auto_agree"] and isinstance(r["auto_value"], int) and r["auto_value"] >= 1
+        cal = r["auto_calibration"]
+        assert cal["min_numel"] == r["auto_value"] and cal["alpha_s"] > 0 and cal["bandwidth_Bps"] > 0
+        assert r["auto_stats"]["min_numel"] == r["auto_value"]
+        assert r["auto_resumed"] == r["auto_value"]
+    assert outs[0]["auto_value"] == outs[1]["auto_value"]

@@ -23,6 +23,10 @@ Error feedback across a switch **[decided]**: residuals are kept, untouched, thr
 and resume when compression resumes. During float32 steps the exact gradient is sent, so "what was
 sent = the gradients − the residuals" stays true over the whole run.
 
+**Which tensors to compress** (``min_numel="auto"``): :func:`fp32_threshold` sets the hook's float32
+threshold from the link's latency and bandwidth (:func:`measure_link`) and the scheme's codec speed
+(:func:`measure_codec`), measured once at the first step and agreed over the ranks.
+
 Resume: :meth:`AdaptiveController.state_dict` holds the mode, the probe's samples and the schedule,
 so a resumed run continues in the same mode at the same step. Decisions after that depend on
 timings, which no run reproduces; given the same decisions, the results are bit-identical.
@@ -30,6 +34,7 @@ timings, which no run reproduces; given the same decisions, the results are bit-
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["AdaptiveController", "FP32", "SPEC"]
+__all__ = ["AdaptiveController", "FP32", "SPEC", "fp32_threshold", "measure_link", "measure_codec", "NEVER"]
 
 FP32 = "fp32"
 SPEC = "spec"
@@ -200,3 +205,77 @@ def max_over_ranks(values: list[float], group: Any, device: torch.device) -> lis
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+# -- the float32 threshold from measurement (min_numel="auto") ---------------------------------------------
+#: the threshold when compression never pays (every tensor stays float32)
+NEVER = 1 << 62
+
+
+def fp32_threshold(*, world: int, wire_bits: float, protocol: str, alpha_s: float, bandwidth: float,
+                   codec_s_per_value: float, call_s: float, own_call: bool) -> int:
+    """The smallest tensor worth quantizing: ``n* = (call_s + [α if own_call]) / (saved − codec)``.
+
+    A float32 tensor rides in the step's last collective, which runs anyway. Quantizing ``n`` values
+    instead saves ``n·(4·f₃₂ − (wire_bits/8)·f)/bandwidth`` seconds of transfer, where ``f₃₂ =
+    2(M−1)/M`` (the float32 sum) and ``f`` is the protocol's bytes per worker per payload byte:
+    ``2(M−1)/M`` for the integer all-reduce and scatter, ``M−1`` for an all-gather. It costs
+    ``n·codec_s_per_value`` of encode and decode, a fixed ``call_s`` per tensor, and, when the
+    tensor gets a protocol call of its own (layer-wise schemes), one more collective latency ``α``.
+    Never worth it (``NEVER``) when the transfer saved per value does not exceed the codec's cost."""
+    if world < 2:
+        return NEVER
+    f32 = 2.0 * (world - 1) / world
+    f = {"allreduce": f32, "scatter": f32, "allgather": float(world - 1), "ps": 2.0}.get(protocol, f32)
+    saved = (4.0 * f32 - wire_bits / 8.0 * f) / bandwidth
+    gain = saved - codec_s_per_value
+    if gain <= 0:
+        return NEVER
+    fixed = call_s + (alpha_s if own_call else 0.0)
+    return max(1, int(math.ceil(fixed / gain)))
+
+
+def measure_link(group: Any, device: torch.device, nbytes: int = 1 << 20, repeats: int = 5) -> tuple[float, float]:
+    """``(α seconds, bandwidth bytes/s)`` of the group's float32 all-reduce, the slowest rank's view:
+    medians of ``repeats`` calls of 8 bytes and of ``nbytes``; the bandwidth counts the ring's
+    ``2(M−1)/M`` bytes per worker against the large call's time less α."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+
+    def timed(n: int) -> float:
+        t = torch.zeros(n, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier(group=group)
+            a = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - a)
+        return statistics.median(times[1:])
+
+    alpha = timed(2)
+    big = timed(max(2, nbytes // 4))
+    alpha, big = max_over_ranks([alpha, big], group, device)
+    moved = 2.0 * (world - 1) / world * nbytes
+    return alpha, moved / max(big - alpha, 1e-9)
+
+
+def measure_codec(q: Any, device: torch.device, n: int = 1 << 18, repeats: int = 5) -> tuple[float, float]:
+    """``(seconds per value, seconds per call)`` of an encode and a decode of ``q`` on this device:
+    medians over ``repeats`` of ``n`` values and of 16 values (the per-call overhead)."""
+    def timed(m: int) -> float:
+        x = torch.randn(m, generator=torch.Generator().manual_seed(m)).to(device)
+        times = []
+        for k in range(repeats + 1):
+            a = time.perf_counter()
+            q.decode(q.encode(x, seed=k))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - a)
+        return statistics.median(times[1:])
+
+    small = timed(16)
+    large = timed(n)
+    return max(large - small, 0.0) / n, small

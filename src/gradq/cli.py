@@ -107,7 +107,7 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
         c.add_argument("--measure-error", action="store_true",
                        help="log the relative quantization error of the averaged gradient (one extra fp32 all-reduce)")
         c.add_argument("--strategy", default="auto", choices=["auto", "allreduce", "scatter", "allgather", "ps"])
-        c.add_argument("--min-numel", type=int, default=10_000, help="smaller tensors stay fp32 (default 10000)")
+        c.add_argument("--min-numel", type=_min_numel, default=10_000, help="smaller tensors stay fp32 (default 10000; 'auto': measured at the first step from the link and the codec)")
         c.add_argument("--hook-warmup-steps", type=int, default=0, help="first steps averaged in fp32")
         c.add_argument("--adaptive", action="store_true",
                        help="time whole steps with fp32 averaging and with each spec, run the faster, probe again "
@@ -270,6 +270,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         verdict.insert(0, f"1 Gbit/s: not run ({why}); `gradq train --network 1gbit` needs root")
     print("\nverdict:\n  " + "\n  ".join(verdict))
     return 0
+
+
+def _min_numel(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--min-numel takes an integer or 'auto', got {text!r}") from None
 
 
 #: the spec the demo runs alone and under the adaptive mode

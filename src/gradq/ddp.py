@@ -102,7 +102,11 @@ class GradqState:
             fixed-width ones, all-gather otherwise, and a local encode/decode when the group has one rank.
         process_group: the group to average over (``None``: the default group).
         seed: run seed common to all ranks (default 0).
-        min_numel: parameters with fewer elements stay float32 (default 10 000).
+        min_numel: parameters with fewer elements stay float32 (default 10 000). ``"auto"`` sets it from
+            measurement at the first step (:func:`gradq.adaptive.fp32_threshold`): the link's latency and
+            bandwidth and the scheme's codec speed, agreed over the ranks; the smallest tensor whose
+            transfer saving exceeds its codec cost and per-tensor overhead. Kept in checkpoints, so a
+            resumed run uses the same value.
         keep_1d_fp32: 1-D parameters (biases, norm parameters) stay float32 (default True).
         uncompressed: names of parameters that stay float32 (e.g. the last classifier layer).
         warmup_steps: the first steps are averaged in float32 (default 0).
@@ -147,7 +151,7 @@ class GradqState:
     """
 
     def __init__(self, spec: str | Quantizer, strategy: str = "auto", *, process_group: Any = None,
-                 seed: int = 0, min_numel: int = 10_000, keep_1d_fp32: bool = True,
+                 seed: int = 0, min_numel: int | str = 10_000, keep_1d_fp32: bool = True,
                  uncompressed: Iterable[str] = (), warmup_steps: int = 0, nan_policy: str = "raise",
                  measure_error: bool = False, module: Optional[torch.nn.Module] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, checksum: bool = True,
@@ -158,7 +162,10 @@ class GradqState:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if int(min_numel) < 0 or int(warmup_steps) < 0:
+        self.min_numel_auto = min_numel == "auto"
+        if isinstance(min_numel, str) and not self.min_numel_auto:
+            raise ValueError(f"min_numel must be a non-negative int or 'auto', got {min_numel!r}")
+        if (not self.min_numel_auto and int(min_numel) < 0) or int(warmup_steps) < 0:
             raise ValueError("min_numel and warmup_steps must be non-negative")
         if isinstance(uncompressed, str):
             raise TypeError("uncompressed must be an iterable of parameter names, not one string")
@@ -174,7 +181,9 @@ class GradqState:
         self.strategy = strategy
         self.process_group = process_group
         self.seed = seed
-        self.min_numel = int(min_numel)
+        #: the float32 threshold (under "auto": None until the first step measures it)
+        self.min_numel: Optional[int] = None if self.min_numel_auto else int(min_numel)
+        self.calibration: dict[str, Any] = {}
         self.keep_1d_fp32 = bool(keep_1d_fp32)
         self.uncompressed = frozenset(str(n) for n in uncompressed)
         self.warmup_steps = int(warmup_steps)
@@ -240,6 +249,8 @@ class GradqState:
                            "groups": len(work.launched), "mode": "spec"}
         if self.adaptive is not None:
             self.last_stats.update(self.adaptive.stats())
+        if self.min_numel_auto:
+            self.last_stats["min_numel"] = self.min_numel
         if self.measure_error and fig.quantized_coords:
             self.last_stats["rel_error"] = (fig.err2 / fig.ref2) ** 0.5 if fig.ref2 > 0 else 0.0
         tot = self.totals
@@ -277,7 +288,8 @@ class GradqState:
 
     def settings(self) -> dict[str, Any]:
         """Everything that must be equal on all ranks (and between a checkpoint and its resume)."""
-        return {"spec": self.spec, "strategy": self.strategy, "seed": self.seed, "min_numel": self.min_numel,
+        return {"spec": self.spec, "strategy": self.strategy, "seed": self.seed,
+                "min_numel": "auto" if self.min_numel_auto else self.min_numel,
                 "keep_1d_fp32": self.keep_1d_fp32, "uncompressed": sorted(self.uncompressed),
                 "warmup_steps": self.warmup_steps, "nan_policy": self.nan_policy, "group_mb": self.group_mb,
                 "adaptive": None if self.adaptive is None else self.adaptive.settings()}
@@ -304,7 +316,9 @@ class GradqState:
         q = self.quantizer
         return {"step": self.step, "skipped_steps": self.skipped_steps, "settings": self.settings(),
                 "residuals": q.state_dict()["residuals"] if isinstance(q, ErrorFeedback) else {},
-                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                "min_numel_measured": self.min_numel if self.min_numel_auto else None,
+                "calibration": dict(self.calibration)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the spec and settings must match this state's."""
@@ -326,6 +340,9 @@ class GradqState:
             raise ValueError("checkpoint holds error-feedback residuals but this spec has no error feedback")
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
+        if self.min_numel_auto and state.get("min_numel_measured") is not None:
+            self.min_numel = int(state["min_numel_measured"])  # measured once: the same value on resume
+            self.calibration = dict(state.get("calibration") or {})
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self._reset_runtime()
@@ -360,6 +377,32 @@ class GradqState:
             return self.strategy
         chosen = choose_protocol(self.quantizer, world)
         return "allgather" if chosen == "scatter" and world == 2 else chosen
+
+    def _calibrate(self, device: torch.device, world: int) -> None:
+        """``min_numel="auto"``: measure the link and the codec (every rank, the slowest rank's view)
+        and set the float32 threshold (:func:`gradq.adaptive.fp32_threshold`)."""
+        from .adaptive import fp32_threshold, measure_codec, measure_link
+        from .comm.allreduce import summed_itemsize
+
+        q = self.quantizer.inner if isinstance(self.quantizer, ErrorFeedback) else self.quantizer
+        protocol = self._resolve_strategy(world)
+        alpha, bandwidth = measure_link(self.process_group, device)
+        per_value, per_call = max_over_ranks(list(measure_codec(q, device)), self.process_group, device)
+        if protocol == "allreduce":
+            mc = int(getattr(q, "max_code", 127))
+            fields = mc <= 127 and not q.needs_shared_seed
+            bits = 8.0 * summed_itemsize(world, mc, fields)
+        else:
+            nb = q.expected_nbytes(1 << 20)
+            bits = 8.0 * nb / (1 << 20) if nb is not None else 8.0
+        own_call = protocol != "allreduce" and not _bucketed(q)
+        self.min_numel = fp32_threshold(world=world, wire_bits=bits, protocol=protocol, alpha_s=alpha,
+                                        bandwidth=bandwidth, codec_s_per_value=per_value, call_s=per_call,
+                                        own_call=own_call)
+        self.calibration = {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "codec_s_per_value": per_value,
+                            "call_s": per_call, "wire_bits": bits, "protocol": protocol, "own_call": own_call,
+                            "min_numel": self.min_numel}
+        logger.info("gradq_hook: min_numel=auto measured %s", self.calibration)
 
     def _keeps_fp32(self, name: str, p: torch.Tensor) -> bool:
         return (self.step < self.warmup_steps or p.numel() < self.min_numel or name in self.uncompressed
@@ -406,6 +449,9 @@ def _hook(state: GradqState, bucket: dist.GradBucket) -> torch.futures.Future[to
     if not state._checked:
         with time_limit(state.process_group, state.timeout):
             state._check_consistency(buf.device)
+    if state.min_numel is None:  # min_numel="auto": measured once, at the first step
+        with time_limit(state.process_group, state.timeout):
+            state._calibrate(buf.device, dist.get_world_size(state.process_group))
     if state.adaptive is not None:
         if bucket.index() == 0:
             mode = state.adaptive.start_step(state.step, lambda v: max_over_ranks(v, state.process_group, buf.device))

@@ -80,7 +80,7 @@ class TrainConfig:
     backend: str = "gloo"
     measure_error: bool = False
     strategy: str = "auto"
-    min_numel: int = 10_000
+    min_numel: int | str = 10_000  # or "auto": measured at the first step (gradq.adaptive.fp32_threshold)
     hook_warmup_steps: int = 0  # gradq hook: first steps averaged in float32
     adaptive: bool = False  # gradq hook: time float32 and the spec, run the faster (gradq.adaptive)
     uncompressed: list[str] = field(default_factory=list)
@@ -434,6 +434,9 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
             if state is not None and state.adaptive is not None:
                 summary["adaptive_decisions"] = [dict(d) for d in state.adaptive.decisions]
                 summary["adaptive_chosen"] = state.adaptive.chosen
+            if state is not None and state.min_numel_auto:
+                summary["min_numel"] = state.min_numel
+                summary["calibration"] = dict(state.calibration)
             write(summary)
             return summary
         return None
