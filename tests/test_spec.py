@@ -248,3 +248,10 @@ def test_empty_or_non_string_specs(bad):
 def test_str_build_is_a_fixed_point(s):
     once = str(gradq.build(s))
     assert str(gradq.build(once)) == once
+
+
+def test_build_is_still_importable_from_spec():
+    """gradq.spec.build (the spelling before gradq.factory) still builds, through the factory."""
+    from gradq.spec import build as old_build
+
+    assert old_build("qsgd:bits=2") == gradq.build("qsgd:bits=2")

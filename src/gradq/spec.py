@@ -368,3 +368,13 @@ def make(spec: str) -> Any:
 def params_doc(params: Sequence[Param]) -> str:
     """One line per parameter: ``name=default  valid values — doc``."""
     return "\n".join(f"{p.name}={format_value(p.default)}  ({p.describe()}) {p.doc}".rstrip() for p in params)
+
+
+def __getattr__(name: str) -> Any:
+    """``gradq.spec.build`` for code written before :mod:`gradq.factory` existed: the factory's
+    :func:`gradq.factory.build` (imported on first access; nothing in gradq uses this spelling)."""
+    if name == "build":
+        from .factory import build
+
+        return build
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
