@@ -10,15 +10,18 @@ without widening them:
 * **Writing.** Table-driven: the bits of each field's "sign + omega(|c|)" (sparse) or "omega(|c| + 1)
   + sign" (dense) come from 256-entry tables, and those of a gap from :mod:`gradq.codecs.elias`'s
   table. They are shifted into a 64-bit accumulator and flushed 32 bits at a time.
-* **Reading.** Table-driven too: a 4,096-entry table decodes every omega code of at most 12 bits
-  from a 12-bit window. Longer codes take :func:`gradq.codecs.elias.read_omega`. Every bound of the
-  strict decoder is checked: truncation, gaps past ``n``, ``|c| > s``, non-zero padding and extra
-  bytes.
+* **Reading.** Table-driven too: one look-up in a 4,096-entry table decodes a whole item that fits
+  12 bits (a sparse item's gap, sign and magnitude; a dense item's magnitude and sign). Other items
+  go code by code (a 12-bit table, then :func:`gradq.codecs.elias.read_omega` for longer codes).
+  Every bound of the strict decoder is checked: truncation, gaps past ``n``, ``|c| > s``, non-zero
+  padding and extra bytes.
 
 :func:`gradq.codecs.qsgd_stream.encode_fields_stream` and ``decode_fields_stream`` call these.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
@@ -38,12 +41,13 @@ except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.cod
     _pjit = _jit
     prange = range
 
-__all__ = ["field_tables", "item_tables", "fields_lengths", "write_fields_sparse", "write_fields_dense", "read_fields",
+__all__ = ["field_tables", "item_tables", "fields_lengths", "write_fields_sparse", "write_fields_dense",
            "read_fields_fast"]
 
 _CHUNK = 1 << 18
 
 
+@lru_cache(maxsize=None)
 def field_tables(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per uint8 field ``f`` (code ``c = f − s``): ``(sparse code, sparse bits, dense code, dense
     bits)``, right-aligned. Sparse: the sign bit (1 = negative) then omega(|c|), for ``c ≠ 0``.
@@ -257,60 +261,12 @@ def _omega(buf: np.ndarray, pad: np.ndarray, p: int, end: int):
     return read_omega(buf, p, end)
 
 
-@_jit
-def read_fields(buf: np.ndarray, pad: np.ndarray, n: int, s: int, out: np.ndarray):
-    """Decode ``c + s`` into ``out[:n]``, which holds ``s`` everywhere: ``(err, bit position)``."""
-    end = buf.shape[0] * 8
-    if end == 0:
-        return ERR_TRUNCATED, 0
-    flag = (np.int64(buf[0]) >> 7) & 1
-    p = 1
-    if flag == 0:
-        v, p, err = _omega(buf, pad, p, end)
-        if err != OK:
-            return err, p
-        nnz = v - 1
-        if nnz > n:
-            return ERR_NNZ, p
-        pos = 0
-        for _ in range(nnz):
-            gap, p, err = _omega(buf, pad, p, end)
-            if err != OK:
-                return err, p
-            if gap > n - pos:
-                return ERR_GAP, p
-            pos += gap
-            if p >= end:
-                return ERR_TRUNCATED, p
-            neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
-            mag, p, err = _omega(buf, pad, p + 1, end)
-            if err != OK:
-                return err, p
-            if mag > s:
-                return ERR_CODE, p
-            out[pos - 1] = s - mag if neg else s + mag
-    else:
-        for i in range(n):
-            v, p, err = _omega(buf, pad, p, end)
-            if err != OK:
-                return err, p
-            mag = v - 1
-            if mag > s:
-                return ERR_CODE, p
-            if mag != 0:
-                if p >= end:
-                    return ERR_TRUNCATED, p
-                neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
-                p += 1
-                out[i] = s - mag if neg else s + mag
-    return check_tail(buf, p), p
-
-
 # -- the fast reader: whole items from one table look-up ----------------------------------------------
 #: bits of the item window: a 4,096-entry int32 table (16 KiB) per ``s``
 _IWIN = 12
 
 
+@lru_cache(maxsize=None)
 def item_tables(s: int) -> tuple[np.ndarray, np.ndarray]:
     """Per ``_IWIN``-bit window, the whole item at its top bit, packed as ``len | value << 5`` (0
     when the item is longer than the window or invalid). Sparse: ``Elias(gap)``, sign,
@@ -360,9 +316,10 @@ def _peek(pad: np.ndarray, p: int) -> int:
 @_jit
 def read_fields_fast(buf: np.ndarray, pad: np.ndarray, n: int, s: int, sparse_tab: np.ndarray,
                      dense_tab: np.ndarray, out: np.ndarray):
-    """:func:`read_fields`, one table look-up per item where the item fits the window; any other
-    item (long gaps, large magnitudes, damage) goes through the exact per-code path, so the errors
-    and their positions are :func:`read_fields`'s."""
+    """Decode ``c + s`` into ``out[:n]``, which holds ``s`` everywhere: ``(err, bit position)``. One
+    table look-up per item where the item fits the window; any other item (long gaps, large
+    magnitudes, damage) goes through the exact per-code path (:func:`_omega`), which reports the
+    strict decoder's errors and positions."""
     end = buf.shape[0] * 8
     if end == 0:
         return ERR_TRUNCATED, 0

@@ -49,7 +49,7 @@ def _olen(k: int) -> int:
 
 
 @_jit
-def _lengths(codes: np.ndarray, off: int):
+def _lengths(codes: np.ndarray):
     """One pass: ``(sparse body bits, dense body bits, max |c|)`` (flag bit excluded; ``max |c| = −1``
     when a magnitude reaches 2**62 or overflows). Written with selects instead of branches on
     ``c == 0``, which is unpredictable for dense codes."""
@@ -60,7 +60,7 @@ def _lengths(codes: np.ndarray, off: int):
     big = 0
     bad = False
     for i in range(codes.shape[0]):
-        c = int(codes[i]) - off
+        c = int(codes[i])
         m = c if c > 0 else -c
         bad |= m < 0
         big = m if m > big else big
@@ -80,12 +80,11 @@ def _lengths(codes: np.ndarray, off: int):
 # threading ``(o, acc, nacc)`` through calls made the loop ~6x slower). Every value written is below
 # 2**60 (magnitudes ≤ s < 2**31, gaps ≤ n), as ``omega_pieces`` requires.
 @_jit
-def _write_sparse(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
-    """Flag 0, Elias(nnz+1), then per nonzero Elias(gap), sign, Elias(|c|) (``c = codes[i] − off``);
-    returns bytes written."""
+def _write_sparse(codes: np.ndarray, buf: np.ndarray) -> int:
+    """Flag 0, Elias(nnz+1), then per nonzero Elias(gap), sign, Elias(|c|); returns bytes written."""
     nnz = 0
     for i in range(codes.shape[0]):
-        nnz += 1 if int(codes[i]) != off else 0
+        nnz += 1 if codes[i] != 0 else 0
     o = 0
     acc = 0  # the flag bit, 0 = sparse
     nacc = 1
@@ -94,7 +93,7 @@ def _write_sparse(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
         if i == -1:
             p = omega_pieces(nnz + 1) + (0, 0, 0, 0, 0, 0)  # the header: no magnitude pieces
         else:
-            c = int(codes[i]) - off
+            c = int(codes[i])
             if c == 0:
                 continue
             m = omega_pieces(c if c > 0 else -c)
@@ -120,14 +119,13 @@ def _write_sparse(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
 
 
 @_jit
-def _write_dense(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
-    """Flag 1, then per coordinate Elias(|c|+1) and a sign bit when c != 0 (``c = codes[i] − off``);
-    returns bytes written."""
+def _write_dense(codes: np.ndarray, buf: np.ndarray) -> int:
+    """Flag 1, then per coordinate Elias(|c|+1) and a sign bit when c != 0; returns bytes written."""
     o = 0
     acc = 1  # the flag bit, 1 = dense
     nacc = 1
     for i in range(codes.shape[0]):
-        c = int(codes[i]) - off
+        c = int(codes[i])
         m = c if c > 0 else -c
         nz = 1 if m != 0 else 0
         p = omega_pieces(m + 1)
@@ -156,9 +154,8 @@ def _write_dense(codes: np.ndarray, off: int, buf: np.ndarray) -> int:
 
 
 @_jit
-def _read(buf: np.ndarray, n: int, s: int, off: int, out: np.ndarray):
-    """Decode ``c + off`` into ``out[:n]``, which holds ``off`` everywhere; return ``(err, bit
-    position, layout flag)``."""
+def _read(buf: np.ndarray, n: int, s: int, out: np.ndarray):
+    """Decode into the zeroed ``out[:n]``; return ``(err, bit position, layout flag)``."""
     end = buf.shape[0] * 8
     if end == 0:
         return ERR_TRUNCATED, 0, -1
@@ -188,7 +185,7 @@ def _read(buf: np.ndarray, n: int, s: int, off: int, out: np.ndarray):
                 return err, p, flag
             if mag > s:
                 return ERR_CODE, p, flag
-            out[pos - 1] = (-mag if neg else mag) + off
+            out[pos - 1] = -mag if neg else mag
     else:
         for i in range(n):
             v, p, err = read_omega(buf, p, end)
@@ -202,7 +199,7 @@ def _read(buf: np.ndarray, n: int, s: int, off: int, out: np.ndarray):
                     return ERR_TRUNCATED, p, flag
                 neg = (int(buf[p >> 3]) >> (7 - (p & 7))) & 1
                 p += 1
-                out[i] = (-mag if neg else mag) + off
+                out[i] = -mag if neg else mag
     return check_tail(buf, p), p, flag
 
 
@@ -225,7 +222,7 @@ def _as_codes(codes: Codes) -> np.ndarray:
 
 def _measure(codes: Codes) -> tuple[np.ndarray, int, int, int]:
     arr = _as_codes(codes)
-    sparse, dense, big = _lengths(arr, 0)
+    sparse, dense, big = _lengths(arr)
     if big < 0:
         raise ValueError("QSGD codes must have magnitudes below 2**62")
     return arr, int(sparse), int(dense), int(big)
@@ -261,7 +258,7 @@ def encode_stream(codes: Codes, s: int, layout: str = "auto") -> torch.Tensor:
     sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
     nbits = 1 + (sparse_bits if sparse else dense_bits)
     buf = np.zeros((nbits + 7) // 8, dtype=np.uint8)
-    end = _write_sparse(arr, 0, buf) if sparse else _write_dense(arr, 0, buf)
+    end = _write_sparse(arr, buf) if sparse else _write_dense(arr, buf)
     assert end == buf.shape[0], "internal error: stream length mismatch"
     return torch.from_numpy(buf)
 
@@ -286,7 +283,7 @@ def decode_stream(stream: Union[torch.Tensor, np.ndarray, bytes], n: int, s: int
             raise PayloadError(f"a QSGD stream must be uint8 bytes, got {buf.dtype}")
     buf = np.ascontiguousarray(buf.reshape(-1))
     out = np.zeros(n, dtype=np.int32)
-    err, pos, _ = _read(buf, n, s, 0, out)
+    err, pos, _ = _read(buf, n, s, out)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return torch.from_numpy(out)
 
@@ -303,7 +300,7 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     from . import qsgd_fields as F
 
     arr = fields.detach().cpu().reshape(-1).contiguous().numpy()
-    sc, sl, dc, dl = _field_tables(s)
+    sc, sl, dc, dl = F.field_tables(s)
     sparse_bits, dense_bits, bad, nnz = (int(v) for v in F.fields_lengths(arr, s, sl, dl))
     if bad:
         raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
@@ -317,26 +314,6 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     return torch.from_numpy(buf)
 
 
-_TABLES: dict = {}
-_ITEMS: dict = {}
-
-
-def _item_tables(s: int):
-    if s not in _ITEMS:
-        from .qsgd_fields import item_tables
-
-        _ITEMS[s] = item_tables(s)
-    return _ITEMS[s]
-
-
-def _field_tables(s: int):
-    if s not in _TABLES:
-        from .qsgd_fields import field_tables
-
-        _TABLES[s] = field_tables(s)
-    return _TABLES[s]
-
-
 def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`decode_stream` as uint8 fields ``c + s`` (``s ≤ 127``), into ``out`` when given."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -345,7 +322,7 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
         raise PayloadError("a QSGD stream must be uint8 bytes")
-    from .qsgd_fields import read_fields_fast
+    from .qsgd_fields import item_tables, read_fields_fast
 
     buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
     pad = np.zeros(buf.size + 3, np.uint8)  # (the table-driven reader looks 3 bytes ahead)
@@ -353,6 +330,6 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
     res = torch.empty(n, dtype=torch.uint8) if out is None else out
     arr = res.numpy()
     arr.fill(s)
-    err, pos = read_fields_fast(buf, pad, n, s, *_item_tables(s), arr)
+    err, pos = read_fields_fast(buf, pad, n, s, *item_tables(s), arr)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return res
