@@ -42,6 +42,7 @@ __all__ = [
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
     "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
+    "sign_scale_stats", "onebit_stats", "bingrad_b_stats", "one_bit_stats",
 ]
 
 RngLike = Union[RandomStream, int]
@@ -520,49 +521,60 @@ def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int]
     return _into(lv.reshape(-1)[bidx] * (2 * bits - 1).to(torch.float32), out)
 
 
-def _one_bit(x: torch.Tensor, bucket: Optional[int], chunk_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bits and flat float32 per-bucket values of a one-bit scheme, bucket chunk by chunk."""
+def sign_scale_stats(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled SignSGD's per-row ``(float64 threshold 0, mean |x|)`` of a bucket matrix."""
+    m64 = mat.to(torch.float64)
+    return m64.new_zeros(mat.shape[0]), pairwise_row_sum(m64.abs()) / mat.shape[1]
+
+
+def onebit_stats(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1BitSGD's per-row ``(float64 threshold 0, (mean{x < 0}, mean{x ≥ 0}))``."""
+    m64 = mat.to(torch.float64)
+    up = mat >= 0
+    zero = m64.new_zeros(mat.shape[0])
+    return zero, torch.stack([masked_mean(m64, ~up, zero), masked_mean(m64, up, zero)], dim=1)
+
+
+def bingrad_b_stats(mat: torch.Tensor, iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """BinGrad-b's per-row ``(float64 threshold t, (b0, b1))`` after ``iters`` Lloyd iterations."""
+    t, b0, b1 = bingrad_b_levels(mat, iters)
+    return t, torch.stack([b0, b1], dim=1)
+
+
+def one_bit_stats(x: torch.Tensor, bucket: Optional[int], stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float64 thresholds, flat float32 levels)`` of every bucket chunk of ``x`` by ``stats`` (one of
+    the three above): what every backend's one-bit encoders compute before their bits."""
     v = x.detach().reshape(-1).to(torch.float32)
-    bits, vals = [], []
+    ts, vals = [], []
     for mat in bucket_chunks(v, bucket):
-        b, lv = chunk_fn(mat)
-        bits.append(b.reshape(-1))
+        t, lv = stats(mat)
+        ts.append(t.reshape(-1))
         vals.append(lv.to(torch.float32).reshape(-1))
-    if not bits:
-        return pack_bits(v.new_zeros(0, dtype=torch.int64), 1), v.new_zeros(0)
-    return pack_bits(torch.cat(bits).to(torch.int64), 1), torch.cat(vals)
-
-
-def _by_threshold(mat: torch.Tensor, t: torch.Tensor, lv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return mat.to(torch.float64) >= t.unsqueeze(1), lv
+    if not ts:
+        return v.new_zeros(0, dtype=torch.float64), v.new_zeros(0)
+    return torch.cat(ts).to(torch.float64), torch.cat(vals)
 
 
 def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled SignSGD: ``(bits x ≥ 0 packed, float32 mean |x| per bucket)``."""
-    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = (pairwise_row_sum(mat.to(torch.float64).abs()) / mat.shape[1]).unsqueeze(1)
-        return _by_threshold(mat, scale.new_zeros(mat.shape[0]), scale)
-    return _one_bit(x, bucket, chunk)
+    v = x.detach().reshape(-1).to(torch.float32)
+    t, lv = one_bit_stats(v, bucket, sign_scale_stats)
+    return threshold_encode(v, t, bucket), lv
 
 
 def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """1BitSGD: ``(bits x ≥ 0 packed, float32 (mean{x < 0}, mean{x ≥ 0}) per bucket, flattened)``."""
-    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m64 = mat.to(torch.float64)
-        upper = mat >= 0
-        zero = m64.new_zeros(mat.shape[0])
-        lv = torch.stack([masked_mean(m64, ~upper, zero), masked_mean(m64, upper, zero)], dim=1)
-        return _by_threshold(mat, zero, lv)
-    return _one_bit(x, bucket, chunk)
+    v = x.detach().reshape(-1).to(torch.float32)
+    t, lv = one_bit_stats(v, bucket, onebit_stats)
+    return threshold_encode(v, t, bucket), lv
 
 
 def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int],
                      iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """BinGrad-b: ``(bits float64(x) ≥ t packed, float32 (b0, b1) per bucket, flattened)``."""
-    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, b0, b1 = bingrad_b_levels(mat, iters)
-        return _by_threshold(mat, t, torch.stack([b0, b1], dim=1))
-    return _one_bit(x, bucket, chunk)
+    v = x.detach().reshape(-1).to(torch.float32)
+    t, lv = one_bit_stats(v, bucket, lambda mat: bingrad_b_stats(mat, iters))
+    return threshold_encode(v, t, bucket), lv
 
 
 def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int],
@@ -570,15 +582,19 @@ def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int],
     """BinGrad-pb: ``(packed bits, float32 b per bucket)``; bit ``u < (x + b)/(2b)`` (all ones in a
     bucket with ``b = 0``), ``u`` the uniforms of ``rng`` (advanced by ``n``)."""
     st = _stream(rng)
-
-    def chunk(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.detach().reshape(-1).to(torch.float32)
+    bits, vals = [], []
+    for mat in bucket_chunks(v, bucket):
         b = bingrad_pb_threshold(mat).unsqueeze(1)
         safe = torch.where(b > 0, b, torch.ones_like(b))
         p_up = ((mat + b) / (2 * safe)).clamp(0.0, 1.0)   # 1 above +b, 0 below -b: the clip
         p_up = torch.where(b > 0, p_up, torch.ones_like(p_up))   # b = 0: decode +0, not -0
         u = st.uniform(mat.numel(), mat.device).view(mat.shape)
-        return u < p_up, b
-    return _one_bit(x, bucket, chunk)
+        bits.append((u < p_up).reshape(-1))
+        vals.append(b.reshape(-1))
+    if not bits:
+        return pack_bits(v.new_zeros(0, dtype=torch.int64), 1), v.new_zeros(0)
+    return pack_bits(torch.cat(bits).to(torch.int64), 1), torch.cat(vals)
 
 
 # -- MultiScale (QSGDMaxNormMultiScale) ---------------------------------------------------------------

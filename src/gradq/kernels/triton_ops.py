@@ -772,42 +772,25 @@ def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int]
 
 
 def _one_bit(x: torch.Tensor, bucket: Optional[int], stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """Statistics per bucket chunk in torch (the reference's code, on the device), bits here."""
+    """The reference's statistics per bucket chunk (in torch, on the device), the bits here."""
     xv = _flat(x, "x", torch.float32)
-    ts, vals = [], []
-    for mat in reference.bucket_chunks(xv, bucket):
-        t, lv = stats(mat)
-        ts.append(t.reshape(-1))
-        vals.append(lv.to(torch.float32).reshape(-1))
-    if not ts:
-        return torch.zeros(0, dtype=torch.uint8, device=xv.device), xv.new_zeros(0)
-    return threshold_encode(xv, torch.cat(ts).to(torch.float64), bucket), torch.cat(vals)
+    t, lv = reference.one_bit_stats(xv, bucket, stats)
+    return threshold_encode(xv, t, bucket), lv
 
 
 def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.sign_scale_encode`."""
-    def stats(mat):
-        m64 = mat.to(torch.float64)
-        return m64.new_zeros(mat.shape[0]), reference.pairwise_row_sum(m64.abs()) / mat.shape[1]
-    return _one_bit(x, bucket, stats)
+    return _one_bit(x, bucket, reference.sign_scale_stats)
 
 
 def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.onebit_encode`."""
-    def stats(mat):
-        m64 = mat.to(torch.float64)
-        up = mat >= 0
-        zero = m64.new_zeros(mat.shape[0])
-        return zero, torch.stack([reference.masked_mean(m64, ~up, zero), reference.masked_mean(m64, up, zero)], 1)
-    return _one_bit(x, bucket, stats)
+    return _one_bit(x, bucket, reference.onebit_stats)
 
 
 def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int], iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.bingrad_b_encode`."""
-    def stats(mat):
-        t, b0, b1 = reference.bingrad_b_levels(mat, iters)
-        return t, torch.stack([b0, b1], dim=1)
-    return _one_bit(x, bucket, stats)
+    return _one_bit(x, bucket, lambda mat: reference.bingrad_b_stats(mat, iters))
 
 
 def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
