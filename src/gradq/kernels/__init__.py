@@ -46,7 +46,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode"]
+           "multiscale_decode", "random_subset"]
 
 RngLike = Union[RandomStream, int]
 
@@ -368,3 +368,11 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MultiScale's decode: ``(float32(field − s_1) / s_idx)·scale``."""
     return _impl("multiscale_decode", codes)(codes, index, scales, levels, bucket, width, index_width, n, out)
+
+
+def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RandK's and GlobalRandK's shared selection: ``k`` of ``range(n)`` by the smallest random keys,
+    sorted int64 on ``device``, the same on every device (:func:`gradq.kernels.reference.random_subset`).
+    On the CPU a numba selection; elsewhere the reference (torch's ``topk`` on the device)."""
+    b = backend_for(torch.empty(0, device=device))
+    return (numba_ops if b == "numba" else reference).random_subset(n, k, seed, device)

@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 __all__ = ["SOURCES", "source_hash", "cache_dir", "keyed_cache"]
 
 #: the modules whose jitted functions are cached (they inline each other's helpers)
-SOURCES = ("numba_common.py", "cpu.py", "cpu_levels.py", "cpu_binary.py", "cpu_multiscale.py")
+SOURCES = ("numba_common.py", "cpu.py", "cpu_levels.py", "cpu_binary.py", "cpu_multiscale.py", "cpu_subset.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

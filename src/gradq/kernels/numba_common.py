@@ -95,6 +95,26 @@ def _uniform(typingctx, base, i, k2h):
 
 
 @intrinsic
+def _hash32(typingctx, base, i, k2h):
+    """The 32 random bits of element ``i`` of a run (``base``, ``k2h`` uint32 from :func:`_run_keys`):
+    ``mix32(mix32(base + i·φ) ^ k2h)``, what :meth:`gradq.random.RandomStream.bits32` gives."""
+    sig = types.uint32(types.uint32, i, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        b, idx, k = args
+        if idx.type.width != 32:
+            idx = builder.trunc(idx, i32) if idx.type.width > 32 else builder.zext(idx, i32)
+        x = builder.add(b, builder.mul(idx, ir.Constant(i32, 0x9E3779B9)))
+
+        def const(v):
+            return ir.Constant(i32, v & 0xFFFFFFFF)
+        return _ir_mix32(builder, builder.xor(_ir_mix32(builder, x, const), k), const)
+
+    return sig, codegen
+
+
+@intrinsic
 def _fill_uniform_vec(typingctx, arr, nvec, base, k2h):
     """``arr[j]`` = uniform of element ``j`` of the run, for ``j < 16·nvec``."""
     sig = types.void(arr, nvec, types.uint32, types.uint32)
@@ -114,6 +134,37 @@ def _fill_uniform_vec(typingctx, arr, nvec, base, k2h):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _fill_hash_vec(typingctx, arr, nvec, base, k2h):
+    """``arr[j]`` = the 32 random bits (:func:`_hash32`) of element ``j`` of the run, for ``j < 16·nvec``."""
+    sig = types.void(arr, nvec, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        count, b, k = args[1], args[2], args[3]
+        i32, vi, vf, const, inv24 = _ir_vectors()
+        state = _ir_counters(builder, vi, b)
+        kv = _ir_splat(builder, vi, k)
+        with cgutils.for_range(builder, count) as loop:
+            x = builder.load(state)
+            ptr = builder.gep(data, [builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))])
+            h = _ir_mix32(builder, builder.xor(_ir_mix32(builder, x, const), kv), const)
+            builder.store(h, builder.bitcast(ptr, vi.as_pointer()), align=4)
+            builder.store(builder.add(x, const(_LANES * 0x9E3779B9)), state)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_inline
+def _fill_hash(u, base, k2h):
+    """``u[i]`` = :func:`_hash32` of element ``i`` of the run ``(base, k2h)``, for all of ``u``."""
+    full = u.size // _LANES
+    _fill_hash_vec(u, full, base, k2h)
+    for i in range(full * _LANES, u.size):
+        u[i] = _hash32(base, i, k2h)
 
 
 @_inline

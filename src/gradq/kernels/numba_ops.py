@@ -432,3 +432,57 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
                           res.numpy()):
         raise PayloadError(f"multiscale: corrupt scale index (>= {lv.size} scales)")
     return res
+
+
+# -- the shared random subset of RandK / GlobalRandK ----------------------------------------------
+_SUB = None
+
+
+def _sub():
+    global _SUB
+    if _SUB is None:
+        _cpu()
+        from .numba_cache import keyed_cache
+
+        with keyed_cache():
+            from . import cpu_subset
+        _SUB = cpu_subset
+    return _SUB
+
+
+def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """As :func:`gradq.kernels.reference.random_subset` (selection by a histogram of the keys' top
+    bits, :mod:`gradq.kernels.cpu_subset`); keys wider than 32 bits (``n > 2**32``) go to the reference."""
+    from ..random import RandomStream
+    from . import reference
+
+    if k < 0 or k > n:
+        raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
+    if k == 0 or k == n or reference.subset_index_bits(n) > 32:
+        return reference.random_subset(n, k, seed, device)
+    import numba
+
+    mod = _sub()
+    st = RandomStream(seed)
+    base, k2h = np.uint32(st.k1 & 0xFFFFFFFF), np.uint32(st.k2 & 0xFFFFFFFF)   # the run of counters 0..n−1
+    part = max(1 << 18, -(-n // (4 * numba.get_num_threads())))
+    parts = -(-n // part)
+    hist = np.zeros((parts, 65536), dtype=np.int64)
+    mod.histogram(n, base, k2h, part, hist)
+    total = hist.sum(axis=0)
+    cum = np.cumsum(total)
+    top = int(np.searchsorted(cum, k))            # first bin whose running count reaches k
+    below = int(cum[top - 1]) if top else 0
+    in_bin = hist[:, top]
+    offsets = np.concatenate(([0], np.cumsum(in_bin)[:-1])).astype(np.int64)
+    keys = np.empty(int(total[top]), dtype=np.uint32)
+    idx = np.empty(int(total[top]), dtype=np.int64)
+    mod.gather_bin(n, base, k2h, part, top, offsets, keys, idx)
+    last = np.argsort(keys, kind="stable")[k - below - 1]   # stable: equal draws in index order
+    ulast, ilast = keys[last], int(idx[last])
+    chosen = (keys < ulast) | ((keys == ulast) & (idx <= ilast))
+    per_part = hist[:, :top].sum(axis=1) + np.bincount(idx[chosen] // part, minlength=parts)
+    offsets = np.concatenate(([0], np.cumsum(per_part)[:-1])).astype(np.int64)
+    out = torch.empty(k, dtype=torch.int64)
+    mod.write_selected(n, base, k2h, part, top, np.uint32(ulast), ilast, offsets, out.numpy())
+    return out if torch.device(device).type == "cpu" else out.to(device)

@@ -42,7 +42,7 @@ __all__ = [
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
     "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
-    "sign_scale_stats", "onebit_stats", "bingrad_b_stats", "one_bit_stats",
+    "sign_scale_stats", "onebit_stats", "bingrad_b_stats", "one_bit_stats", "random_subset",
 ]
 
 RngLike = Union[RandomStream, int]
@@ -667,3 +667,36 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     else:
         idx = torch.zeros(n, dtype=torch.int64, device=scales.device)
     return _into(multiscale_dequantize(c, scales, idx, levels, bucket, n), out)
+
+
+# -- the shared random subset of RandK / GlobalRandK ----------------------------------------------
+
+def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``k`` distinct coordinates of ``range(n)``, uniformly at random without replacement, as a sorted
+    int64 tensor on ``device``: a pure function of ``(n, k, seed)``, identical on every device.
+
+    Each coordinate ``i`` gets the unique key ``(b_i << w) | i`` where ``b_i`` is element ``i`` of
+    ``RandomStream(seed).bits32(n)`` (its 32 bits as a signed integer, arithmetically shifted right by
+    ``w − 32`` when ``w > 32``) and ``w = max(32, bit length of n − 1)``; the ``k`` smallest keys are the
+    selection. Ordering by i.i.d. random keys gives a uniformly random ``k``-subset; the index in the low
+    bits only breaks ties between equal 32-bit draws (towards the lower index), which perturbs the
+    uniform law by at most about ``k²/2³³`` in total variation.
+    """
+    if k < 0 or k > n:
+        raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if k == n:
+        return torch.arange(n, dtype=torch.int64, device=device)
+    w = subset_index_bits(n)
+    bits = RandomStream(seed).bits32(n, device).to(torch.int64)
+    if w > 32:
+        bits = bits >> (w - 32)
+    keys = (bits << w) | torch.arange(n, dtype=torch.int64, device=bits.device)
+    sel = torch.topk(keys, k, largest=False, sorted=False).indices
+    return torch.sort(sel).values
+
+
+def subset_index_bits(n: int) -> int:
+    """``w`` of :func:`random_subset`: the bits its keys give the index, ``max(32, bit length of n − 1)``."""
+    return max(32, (max(n, 1) - 1).bit_length())

@@ -179,8 +179,17 @@ class _GlobalRandK(SummableQuantizer):
 
     def coordinates(self, numel: int, shared_seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The selected positions (sorted int64) for ``numel`` coordinates and ``shared_seed``: the same
-        uniform K-subset as ``randk`` draws (:func:`gradq.quantizers.sparse.shared_random_indices`)."""
-        return shared_random_indices(numel, self.num_selected(numel), shared_seed, device)
+        uniform K-subset as ``randk`` draws (:func:`gradq.quantizers.sparse.shared_random_indices`).
+
+        The last selection is kept (one entry): an encode asks for it twice (statistics, then codes),
+        and a protocol's decodes of the same step ask again with the same seed."""
+        key = (numel, self.num_selected(numel), int(shared_seed), torch.device(device))
+        memo = getattr(self, "_last_selection", None)
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        idx = shared_random_indices(numel, key[1], shared_seed, device)
+        self._last_selection = (key, idx)   # one tuple, replaced whole: safe for the hook's worker thread
+        return idx
 
     def _spec_items(self) -> list[tuple[str, str]]:
         drop = {"k" if self.k is None else "ratio"}

@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 import torch
 
 from ..errors import PayloadError, SpecError
-from ..random import RandomStream
+from .. import kernels
 from ..spec import BoolParam, FloatParam, IntParam, register
 from .base import EncodeContext, Quantizer
 
@@ -55,35 +55,11 @@ def select_count(n: int, k: Optional[int], ratio: Optional[float]) -> int:
     return min(int(k), n)
 
 
-def _index_bits(n: int) -> int:
-    """Bits reserved for the index in a 64-bit selection key (at least 32)."""
-    return max(32, (max(n, 1) - 1).bit_length())
-
-
 def shared_random_indices(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``k`` distinct coordinates of ``range(n)``, uniformly at random without replacement, as a sorted
-    int64 tensor on ``device``: a pure function of ``(n, k, seed)``, identical on every device.
-
-    Each coordinate ``i`` gets the unique key ``(b_i << w) | i`` where ``b_i`` is element ``i`` of
-    ``RandomStream(seed).bits32(n)`` (its 32 bits as a signed integer, arithmetically shifted right by
-    ``w − 32`` when ``w > 32``) and ``w = max(32, bit length of n − 1)``; the ``k`` smallest keys are the
-    selection. Ordering by i.i.d. random keys gives a uniformly random ``k``-subset; the index in the low
-    bits only breaks ties between equal 32-bit draws (towards the lower index), which perturbs the
-    uniform law by at most about ``k²/2³³`` in total variation.
-    """
-    if k < 0 or k > n:
-        raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    if k == n:
-        return torch.arange(n, dtype=torch.int64, device=device)
-    w = _index_bits(n)
-    bits = RandomStream(seed).bits32(n, device).to(torch.int64)
-    if w > 32:
-        bits = bits >> (w - 32)
-    keys = (bits << w) | torch.arange(n, dtype=torch.int64, device=bits.device)
-    sel = torch.topk(keys, k, largest=False, sorted=False).indices
-    return torch.sort(sel).values
+    int64 tensor on ``device``: a pure function of ``(n, k, seed)``, identical on every device
+    (:func:`gradq.kernels.random_subset`, whose reference states the keys)."""
+    return kernels.random_subset(n, k, seed, device)
 
 
 def topk_indices(v: torch.Tensor, k: int) -> torch.Tensor:
