@@ -49,9 +49,11 @@ separately, next to the numba kernel.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
+import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -326,8 +328,10 @@ def device_time(fn: Callable[[], object], repeats: int, device: torch.device) ->
     return statistics.median(times)
 
 
-def memory_table(n: int, repeats: int, device: torch.device) -> None:
-    """Encode / decode(out=) ÷ a device copy, and their peak extra memory, per scheme."""
+def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional[str] = None,
+                 specs: Optional[list[str]] = None) -> None:
+    """Encode / decode(out=) ÷ a device copy, and their peak extra memory, per scheme; with ``json_path``
+    also the measured times as JSON, the file ``gradq perfmodel --codec-times`` reads."""
     import gradq
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
@@ -341,7 +345,8 @@ def memory_table(n: int, repeats: int, device: torch.device) -> None:
     print("| spec | encode ms | × copy | decode(out=) ms | × copy | encode peak extra ÷ payload bytes "
           "| decode(out=) peak extra ÷ input bytes | bits/coord |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for spec in MEMORY_SPECS:
+    rows = []
+    for spec in specs or MEMORY_SPECS:
         q = gradq.build(spec)
         if device.type == "cuda":  # the device's bytes are the CPU reference's
             head = x[: min(n, 1 << 20)]
@@ -355,10 +360,25 @@ def memory_table(n: int, repeats: int, device: torch.device) -> None:
         q.encode(x, seed=SEED)
         p, enc_peak = peak_extra(lambda: q.encode(x, seed=SEED), device)
         _, dec_peak = peak_extra(lambda: q.decode(p, out=dst), device)
-        te = device_time(lambda: q.encode(x, seed=SEED), repeats, device)
+        seeds = itertools.count(SEED + 1)   # a new step's seed each call, as in training
+        te = device_time(lambda: q.encode(x, seed=next(seeds)), repeats, device)
         td = device_time(lambda: q.decode(p, out=dst), repeats, device)
         print(f"| {spec} | {te * 1e3:.2f} | {t_copy / te:.3f} | {td * 1e3:.2f} | {t_copy / td:.3f} | "
               f"{enc_peak / p.nbytes:.2f} | {dec_peak / (4 * n):.2f} | {p.bits_per_coordinate:.3f} |", flush=True)
+        rows.append({"spec": q.spec, "encode_ms": te * 1e3, "decode_ms": td * 1e3,
+                     "bits_per_coordinate": p.bits_per_coordinate,
+                     "encode_peak_per_payload": enc_peak / p.nbytes, "decode_peak_per_input": dec_peak / (4 * n)})
+    if json_path:
+        import datetime
+        import json
+
+        doc = {"format": "gradq-codec-times/1", "device": device.type, "device_name": name, "n": n,
+               "input_mb": 4 * n / 1e6, "copy_ms": t_copy * 1e3, "repeats": repeats, "torch": torch.__version__,
+               "backend": K.backend_for(x), "measured": datetime.date.today().isoformat(),
+               "command": "python benchmarks/bench_codecs.py " + " ".join(sys.argv[1:]), "rows": rows}
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"\nwrote {json_path}")
 
 
 def main() -> None:
@@ -374,12 +394,16 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true",
                     help="only the table of encode/decode ratios and peak memory per scheme (see the docstring)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda, for --memory")
+    ap.add_argument("--json", metavar="FILE", help="--memory: also write the measured times as JSON (the file "
+                                                   "`gradq perfmodel --codec-times FILE` reads)")
+    ap.add_argument("--spec", action="append", help="--memory: time this spec (repeatable; default: the list "
+                                                    "in MEMORY_SPECS)")
     args = ap.parse_args()
     if args.memory or args.device != "cpu":
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise SystemExit("--device cuda: no GPU here")
-        memory_table(args.n, args.repeats, device)
+        memory_table(args.n, args.repeats, device, args.json, args.spec)
         return
     if not K.available():
         raise SystemExit("gradq.kernels is not available (numba missing or GRADQ_KERNELS=0)")

@@ -335,3 +335,93 @@ def test_allreduce_is_charged_the_width_the_protocol_sums():
     # 12.7x over fp32, which the protocol does not send; summing bytes, the projection is below 4x
     sp = pm.predict("alexnet", "terngrad", "1gbit-ethernet", 8, speedup=True).speedup_vs_fp32
     assert 3.0 < sp < 4.0, sp
+
+
+# -- measured codec times, break-even bandwidth, the TernGrad exchange --------------------------------------
+def _times_file(tmp_path, rows, **extra):
+    doc = {"format": "gradq-codec-times/1", "device": "cpu", "device_name": "test CPU", "n": 25_000_000,
+           "input_mb": 100.0, "copy_ms": 5.0, "rows": rows, **extra}
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_codec_times_are_read_per_mb_and_found_under_any_spelling(tmp_path):
+    path = _times_file(tmp_path, [{"spec": "maxnorm:bits=4", "encode_ms": 20.0, "decode_ms": 5.0}])
+    times = pm.load_codec_times(path)
+    assert times.lookup("maxnorm:bits=4") == (0.2, 0.05)          # ms per MB of fp32 input
+    assert times.lookup(gradq.build("maxnorm:bits=4").spec) == (0.2, 0.05)
+    assert times.lookup("maxnorm:bits=2") is None
+    # allreduce, M = 4: one encode and one decode of the 100 MB gradient: 20 ms and 5 ms
+    p = pm.predict(M100, "maxnorm:bits=4", flat(), 4, codec_times=path)
+    assert (p.encode_ms, p.decode_ms) == (approx(20.0), approx(5.0))
+    assert "test CPU" in p.codec_source
+    # explicit times win over the file; an unmeasured spec gets none, and says so
+    c = pm.compressor_from("maxnorm:bits=4", M100, times, encode_ms=1.0)
+    assert (c.encode_ms, c.encode_ms_per_mb, c.codec_source) == (1.0, 0.0, "given")
+    c = pm.compressor_from("maxnorm:bits=2", M100, times)
+    assert c.encode_ms_per_mb == 0.0 and c.codec_source.startswith("not measured")
+    assert pm.predict(M100, "none", flat(), 4, codec_times=path).encode_ms == 0.0   # fp32: no codec
+
+
+def test_shipped_codec_times_cover_the_papers_schemes():
+    times = pm.codec_times_from("default")
+    for spec in ("terngrad", "maxnorm:bits=2", "maxnorm:bits=4", "maxnorm:bits=8", "multiscale:bits=2+6",
+                 "randk-maxnorm:ratio=0.01,bits=4", "qsgd:bits=4,bucket=512"):
+        enc, dec = times.lookup(spec)
+        assert enc > 0 and dec > 0, spec
+    assert pm.codec_times_from("none") is None
+
+
+@pytest.mark.parametrize("bad, match", [("{", "not JSON"), ('{"format": "other"}', "not a codec-times file"),
+                                        ('{"format": "gradq-codec-times/1", "input_mb": 100, "rows": [{}]}',
+                                         "every row")])
+def test_bad_codec_times_files_are_refused(tmp_path, bad, match):
+    path = tmp_path / "bad.json"
+    path.write_text(bad)
+    with pytest.raises(PerfModelError, match=match):
+        pm.load_codec_times(path)
+    with pytest.raises(PerfModelError, match="cannot read"):
+        pm.load_codec_times(tmp_path / "missing.json")
+
+
+def test_break_even_bandwidth_matches_the_closed_form():
+    # flat, M = 2, all-reduce: t = S/B. fp32: 4n/B; "4bit": e + d + n/(2B). Equal at B* = 3.5n/(e + d).
+    c = Compressor(name="4bit", bits=4.0, encode_ms=6.0, decode_ms=4.0)
+    bstar = 3.5 * M100.params / 10e-3
+    got = pm.break_even_bandwidth(M100, c, flat(), 2)
+    assert got == pytest.approx(bstar, rel=1e-3)   # the bisection stops at 0.1 %
+    assert pm.predict(M100, c, flat(), 2, break_even=True).break_even_bandwidth == got
+    # no codec cost: compression pays at every bandwidth; one node: the network is not used
+    assert pm.break_even_bandwidth(M100, Compressor(name="4bit", bits=4.0), flat(), 2) == float("inf")
+    assert pm.break_even_bandwidth(M100, c, two_level(), 4) is None
+    # a codec slower than any transfer it saves: never pays over the searched range
+    slow = Compressor(name="31bit", bits=31.0, encode_ms=1e9)
+    assert pm.break_even_bandwidth(M100, slow, flat(), 2) == 0.0
+
+
+def test_terngrad_parameter_server_exchange_pulls_log2_of_2Ms_plus_1_bits():
+    import math
+
+    # ps, M = 8 on a flat network: push M·S, pull M·S' through the server's link; S' at log2(17) bits
+    n = M100.params
+    p = pm.predict(M100, "terngrad", flat(), 8, protocol="ps", ps_pull_bits="summed")
+    push, pull = 8 * n * p.bits / 8, 8 * n * math.log2(17) / 8   # p.bits: 1.6 plus the scale's share
+    assert p.comm_ms == approx(1e3 * (push + pull) / GBIT)
+    q = pm.predict(M100, "terngrad", flat(), 8, protocol="ps", ps_pull_bits=3)
+    assert q.comm_ms == approx(1e3 * (push + 8 * n * 3 / 8) / GBIT)
+    with pytest.raises(PerfModelError, match="shared-scale"):
+        pm.predict(M100, "signsgd", flat(), 8, protocol="ps", ps_pull_bits="summed")
+    with pytest.raises(PerfModelError, match="ps_pull_bits"):
+        pm.predict(M100, "terngrad", flat(), 8, protocol="ps", ps_pull_bits="many")
+
+
+def test_cli_break_even_and_codec_times(capsys, tmp_path):
+    path = _times_file(tmp_path, [{"spec": "terngrad", "encode_ms": 10.0, "decode_ms": 10.0}])
+    assert pm.main(["--network", "alexnet", "--cluster", "1gbit-ethernet", "-c", "none", "-c", "terngrad",
+                    "--workers", "8", "--sweep", "8", "--speedup", "--break-even", "--codec-times", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "pays below" in out and "Gbit/s" in out and "test CPU" in out
+    assert pm.main(["--gradient-mb", "100", "--bandwidth", "1gbit", "-w", "4", "-c", "terngrad",
+                    "--codec-times", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["encode_ms"] == 0.0

@@ -52,6 +52,9 @@ node, then a ring across nodes through each node's link.
 
       t_inter = 2·L·α_n + (max(M·S/k, g·S) + max(M·S'/k, g·S'))/B_n
 
+  ``ps_pull_bits`` sets ``S' = n·bits/8`` instead; ``"summed"`` is [TernGrad]'s exchange (scaler
+  sharing, parameter localization): the sum of M shared-scale codes, ``log2(2·M·s + 1)`` bits.
+
   (gradq.comm.ps colocates the server with a worker, which moves (M−1)·S instead of M·S.)
 
 Communication, ``formula="paper002"`` ([Vineeth], all-reduce and scatter only)
@@ -63,6 +66,11 @@ as ceil(log2) tree levels (equal for powers of two); it has no intra-node latenc
 Codec (measured time of ONE encode ``e`` / decode ``d`` of the whole gradient:
 ``encode_ms + encode_ms_per_mb · 4n/10⁶``, the same for decode; zero for the fp32 baseline)
 -----------------------------------------------------------------------------------------
+The per-MB times come from measurement: ``codec_times`` (``--codec-times FILE``) reads the JSON of
+``benchmarks/bench_codecs.py --memory --json FILE`` (:mod:`gradq.perfmodel.codec_times`); the CLI's
+default is the CPU measurement shipped with gradq (2 cores, numba), which overstates a GPU's codec
+time. Explicit ``--encode-ms…`` values win; a spec the file lacks gets 0 and the output says so.
+
 Critical-path counts per iteration: ``allreduce`` e + d; ``scatter`` (1 + 1/M)·e + 2·d (encode, decode
 M chunks = one gradient, re-encode one chunk, decode the gathered chunks); ``allgather`` e + M·d (every
 worker decodes all M); ``ps`` e + (M/k)·d at the server, plus e/k + d when re-quantized. With M = 1
@@ -91,15 +99,24 @@ protocol, formula, cluster and overlap. ``protocol="auto"`` picks as gradq.comm.
 ``allreduce`` for summable codes while M·s ≤ 127 (fp32 and widths given as ``"4bit"`` included),
 else ``scatter``.
 
+Break-even bandwidth
+--------------------
+``break_even_bandwidth`` (``--break-even``): the inter-node bandwidth at which a compressor and fp32
+(same protocol and options) take equally long per iteration; compression pays below it. Only the
+``S/B`` terms depend on the bandwidth and the compressor's ``S`` is smaller, while its codec time and
+floor do not shrink, so ``T_fp32 − T`` never grows with ``B`` and a bisection on ``log B`` finds it.
+
 Presets (:mod:`gradq.perfmodel.presets`) give exact parameter counts, the papers' batch sizes and
 cluster bandwidths, and ASSUMED compute times, intra-node bandwidths and latencies; every value can be
 overridden. Validate against measured runs (:func:`validate`) before trusting a projection.
 """
 
 from .cli import add_arguments, main, parse_workers, run
+from .codec_times import DEFAULT_CODEC_TIMES, CodecTimes, codec_times_from, load_codec_times
 from .components import Cluster, Compressor, Model, compressor_from
-from .core import (CONFIG_KEYS, DEFAULT_OVERLAP_FRACTION, DEFAULT_SWEEP, FORMULAS, PROTOCOLS, CommCost,
-                   Prediction, codec_factors, comm_cost, predict, predict_config, resolve_protocol, setup, sweep)
+from .core import (BREAK_EVEN_RANGE, CONFIG_KEYS, DEFAULT_OVERLAP_FRACTION, DEFAULT_SWEEP, FORMULAS, PROTOCOLS,
+                   CommCost, Prediction, break_even_bandwidth, codec_factors, comm_cost, predict, predict_config,
+                   resolve_protocol, setup, sweep)
 from .presets import CLUSTERS, NETWORKS, cluster, describe_presets, network
 from .report import Validation, format_table, plot_sweep, validate
 from .units import MB, PerfModelError, format_rate, parse_rate
@@ -110,5 +127,6 @@ __all__ = [
     "compressor_from", "format_table", "plot_sweep", "validate", "network", "cluster", "describe_presets",
     "parse_rate", "format_rate", "parse_workers", "add_arguments", "run", "main",
     "NETWORKS", "CLUSTERS", "PROTOCOLS", "FORMULAS", "DEFAULT_SWEEP", "DEFAULT_OVERLAP_FRACTION",
-    "CONFIG_KEYS", "MB",
+    "CONFIG_KEYS", "MB", "CodecTimes", "load_codec_times", "codec_times_from", "DEFAULT_CODEC_TIMES",
+    "break_even_bandwidth", "BREAK_EVEN_RANGE",
 ]

@@ -78,11 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--decode-ms", type=float, help="measured ms of one decode of the gradient (default 0)")
     q.add_argument("--encode-ms-per-mb", type=float, help="measured encode ms per MB of fp32 gradient (default 0)")
     q.add_argument("--decode-ms-per-mb", type=float, help="measured decode ms per MB of fp32 gradient (default 0)")
+    q.add_argument("--codec-times", default="default", metavar="FILE",
+                   help="measured encode/decode speeds per spec: the JSON of `python benchmarks/bench_codecs.py "
+                        "--memory --json FILE`; 'default' (the default) is the CPU measurement shipped with gradq, "
+                        "'none' charges no codec time; --encode-ms... flags override it")
     q.add_argument("--protocol", choices=PROTOCOLS, default="allreduce", help="default: allreduce")
     q.add_argument("--formula", choices=FORMULAS, default="ring",
                    help="ring: two-level ring α–β (default); paper002: [Vineeth]'s tree formula")
     q.add_argument("--ps-requantize", action="store_true", help="ps: the server sends the average re-encoded "
                                                                 "(default: fp32)")
+    q.add_argument("--ps-pull-bits", metavar="BITS|summed",
+                   help="ps: bits per coordinate the server sends back (overrides --ps-requantize); 'summed' is "
+                        "TernGrad's exchange, the sum of M shared-scale codes in log2(2Ms+1) bits")
     q.add_argument("--ps-servers", type=int, default=1, help="ps: servers sharing the gradient (default 1)")
     q.add_argument("--overlap", action="store_true", help="overlap communication with the backward pass "
                                                           "(default off)")
@@ -100,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                       "(implies --sweep)")
     o.add_argument("--title", help="plot title (default: describes the configuration)")
     o.add_argument("--speedup", action="store_true", help="also report speedup over fp32 (same protocol)")
+    o.add_argument("--break-even", action="store_true",
+                   help="also report the break-even inter-node bandwidth: compression pays below it, fp32 above")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--list-presets", action="store_true", help="list preset networks and clusters, then exit")
 
@@ -108,7 +117,7 @@ _CONFIG_FROM_ARGS = ("network", "params", "gradient_mb", "gradient_bytes", "comp
                      "cluster", "bandwidth", "latency_us", "gpus_per_node", "intra_bandwidth", "intra_latency_us",
                      "sum_bits", "encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb", "protocol",
                      "formula", "overlap", "overlap_fraction", "ps_requantize", "ps_servers", "comm_floor_ms",
-                     "speedup")
+                     "speedup", "codec_times", "break_even", "ps_pull_bits")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"config": config, "rows": [p.to_dict() for p in preds]}, indent=2))
     else:
         print(format_table(preds))
+    if not args.json:
+        sources: dict[str, list[str]] = {}
+        for p in preds:
+            if p.codec_source and p.compressor not in sources.setdefault(p.codec_source, []):
+                sources[p.codec_source].append(p.compressor)
+        for src, names in sources.items():
+            print(f"codec time of {', '.join(names)}: {src}")
     if args.plot:
         title = args.title or _title(base, preds[0])
         path = plot_sweep(preds, args.plot, title=title)

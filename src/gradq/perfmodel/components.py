@@ -110,6 +110,8 @@ class Compressor:
             workers (:func:`gradq.comm.allreduce.summed_itemsize`), not the packed ``bits``.
         fields: whether the scheme sums one-byte fields ``c + s`` (its fused fast path: TernGrad,
             MaxNorm) rather than integer codes.
+        codec_source: where the codec times come from (``"given"``, a measurement's description, or
+            ``""`` for none), for reports.
     """
 
     name: str = "fp32"
@@ -122,6 +124,7 @@ class Compressor:
     summable: Optional[bool] = None
     max_code: Optional[int] = None
     fields: bool = False
+    codec_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bits", check_pos(f"bits per coordinate of {self.name!r}", self.bits))
@@ -191,7 +194,7 @@ def _payload_nbytes(q, sizes: Sequence[int], spec: str) -> int:
     return total
 
 
-def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor:
+def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **codec) -> Compressor:
     """A :class:`Compressor` from a name, for ``model``'s gradient.
 
     ``spec`` may be ``"none"``/``"fp32"`` (the fp32 baseline: exactly 32 bits, no codec), ``"<b>bit"``
@@ -209,9 +212,11 @@ def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor
     text = spec.strip()
     if text.lower() in FP32_NAMES:
         return Compressor(name="fp32", bits=32.0, summable=True)
+    given = any(codec.get(k) for k in ("encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb"))
+    source = "given" if given else ""
     m = _BITS_RE.match(text)
     if m:
-        return Compressor(name=text, bits=float(m.group(1)), **codec)
+        return Compressor(name=text, bits=float(m.group(1)), codec_source=source, **codec)
     from ..factory import build
     from ..quantizers.base import SummableQuantizer
 
@@ -223,5 +228,12 @@ def compressor_from(spec: str | Compressor, model: Model, **codec) -> Compressor
     mc = getattr(q, "max_code", None) if q.summable else None
     has_fields = bool(q.summable) and mc is not None and mc <= 127 and not q.needs_shared_seed and \
         type(q)._fields is not SummableQuantizer._fields
+    if codec_times is not None and not given:
+        measured = codec_times.lookup(text)
+        if measured is None:
+            source = f"not measured in {codec_times.source}"
+        else:
+            codec = {**codec, "encode_ms_per_mb": measured[0], "decode_ms_per_mb": measured[1]}
+            source = codec_times.describe()
     return Compressor(name=text, bits=8.0 * nbytes / model.params, summable=bool(q.summable),
-                      max_code=None if mc is None else int(mc), fields=has_fields, **codec)
+                      max_code=None if mc is None else int(mc), fields=has_fields, codec_source=source, **codec)

@@ -10,15 +10,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from .codec_times import codec_times_from
 from .components import Cluster, Compressor, Model, compressor_from
 from .presets import cluster as cluster_preset
 from .presets import network as network_preset
-from .units import PerfModelError, check_nonneg, parse_rate
+from .units import PerfModelError, check_nonneg, check_pos, parse_rate
 
 __all__ = [
     "PROTOCOLS", "FORMULAS", "DEFAULT_SWEEP", "DEFAULT_OVERLAP_FRACTION", "CommCost", "Prediction",
     "comm_cost", "codec_factors", "resolve_protocol", "predict", "sweep", "setup", "predict_config",
-    "CONFIG_KEYS",
+    "CONFIG_KEYS", "break_even_bandwidth", "BREAK_EVEN_RANGE",
 ]
 
 #: protocol names ("auto" picks per worker count as gradq.comm.choose_protocol does)
@@ -156,6 +157,10 @@ class Prediction:
     node_bytes: float
     overlap: bool
     speedup_vs_fp32: Optional[float] = None
+    #: inter-node bandwidth (bytes/s) below which this compressor is faster than fp32 (``inf``: at every
+    #: bandwidth tried, 0: at none); ``None`` when not asked for, for fp32, or with one node
+    break_even_bandwidth: Optional[float] = None
+    codec_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -165,7 +170,9 @@ class Prediction:
 def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster | str, workers: int, *,
             protocol: str = "allreduce", formula: str = "ring", overlap: bool = False,
             overlap_fraction: float = DEFAULT_OVERLAP_FRACTION, ps_requantize: bool = False,
-            ps_servers: int = 1, comm_floor_ms: float = 0.0, speedup: bool = False) -> Prediction:
+            ps_servers: int = 1, comm_floor_ms: float = 0.0, speedup: bool = False,
+            codec_times=None, break_even: bool = False,
+            ps_pull_bits: Optional[float | str] = None) -> Prediction:
     """Predicted time of one iteration of ``model`` on ``workers`` GPUs of ``cluster``.
 
     Args:
@@ -182,9 +189,18 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
             collectives take on a link fast enough that the bytes cost nothing (synchronising the
             workers, software cost per collective). Communication is ``max(t_comm, floor)``.
         speedup: also predict the fp32 baseline (same protocol and cluster) and set ``speedup_vs_fp32``.
+        codec_times: measured codec speeds for a compressor given by name
+            (:func:`~gradq.perfmodel.codec_times.codec_times_from`: ``None``/``"none"``, ``"default"``,
+            a path or a :class:`~gradq.perfmodel.codec_times.CodecTimes`); default none (0 ms).
+        break_even: also find :func:`break_even_bandwidth` (sets ``break_even_bandwidth``).
+        ps_pull_bits: ``ps``: bits per coordinate of what the server sends back, overriding
+            ``ps_requantize``; ``"summed"`` is [TernGrad]'s exchange (scaler sharing and parameter
+            localization): the sum of ``M`` shared-scale codes in ``[−M·s, M·s]``, ``log2(2·M·s + 1)``
+            bits. That is the paper's protocol, not one of gradq's (gradq sums shared-scale codes in its
+            all-reduce instead). Default ``None``.
     """
     m = network_preset(model) if isinstance(model, str) else model
-    c = compressor_from(compressor, m)
+    c = compressor_from(compressor, m, codec_times_from(codec_times))
     cl = cluster_preset(cluster) if isinstance(cluster, str) else cluster
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PerfModelError(f"workers must be an integer >= 1, got {workers!r}")
@@ -207,6 +223,8 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
         bits = 8.0 * summed_itemsize(workers, c.max_code, c.fields)
     size = n * bits / 8.0                                     # S
     out_size = size if ps_requantize else 4.0 * n             # ps pull: re-encoded or fp32
+    if ps_pull_bits is not None and proto == "ps" and not c.is_fp32:
+        out_size = n * _pull_bits(ps_pull_bits, c, workers) / 8.0
     cost = comm_cost(proto, size, workers, cl, formula=formula, messages=m.n_messages, out_size=out_size,
                      ps_servers=ps_servers)
     enc1, dec1 = (0.0, 0.0) if c.is_fp32 else c.codec_ms(m.grad_bytes)
@@ -229,13 +247,73 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
         bits=bits, compute_ms=t_c, encode_ms=enc, decode_ms=dec, comm_ms=comm,
         intra_comm_ms=1e3 * cost.intra_s, inter_comm_ms=1e3 * cost.inter_s, iteration_ms=total,
         throughput=thr, throughput_unit="samples/s" if m.batch_size is not None else "iterations/s",
-        bytes_per_worker=cost.bytes_per_worker, node_bytes=cost.node_bytes, overlap=bool(overlap))
+        bytes_per_worker=cost.bytes_per_worker, node_bytes=cost.node_bytes, overlap=bool(overlap),
+        codec_source=c.codec_source)
+    if break_even and not c.is_fp32:
+        pred = replace(pred, break_even_bandwidth=break_even_bandwidth(
+            m, c, cl, workers, protocol=protocol, formula=formula, overlap=overlap, overlap_fraction=f,
+            ps_requantize=ps_requantize, ps_servers=ps_servers, comm_floor_ms=floor, ps_pull_bits=ps_pull_bits))
     if speedup:
         base = predict(m, "fp32", cl, workers, protocol="allreduce" if protocol == "auto" else protocol,
                        formula=formula, overlap=overlap, overlap_fraction=f, ps_requantize=ps_requantize,
                        ps_servers=ps_servers)
         pred = replace(pred, speedup_vs_fp32=base.iteration_ms / total if total > 0 else None)
     return pred
+
+
+def _pull_bits(value: float | str, c: Compressor, workers: int) -> float:
+    """Bits per coordinate of a parameter server's reply (see ``ps_pull_bits`` in :func:`predict`)."""
+    import math
+
+    if isinstance(value, str) and value.strip().lower() == "summed":
+        if c.max_code is None or c.summable is False:
+            raise PerfModelError(f"ps_pull_bits='summed' needs shared-scale integer codes; {c.name!r} has none")
+        return math.log2(2 * workers * c.max_code + 1)
+    try:
+        return check_pos("ps_pull_bits", float(value))
+    except (TypeError, ValueError):
+        raise PerfModelError(f"ps_pull_bits must be a number of bits or 'summed', got {value!r}") from None
+
+
+#: the bandwidths :func:`break_even_bandwidth` searches between, bytes/s (1 kbit/s to 100 Tbit/s)
+BREAK_EVEN_RANGE = (1e3 / 8, 1e14 / 8)
+
+
+def break_even_bandwidth(model: Model | str, compressor: Compressor | str, cluster: Cluster | str, workers: int,
+                         **kw: Any) -> Optional[float]:
+    """The inter-node bandwidth (bytes/s per node link) at which ``compressor`` and fp32 (same protocol,
+    cluster and options ``kw`` as :func:`predict`) take equally long per iteration: compression pays
+    below it, fp32 wins above it.
+
+    The difference ``T_fp32 − T_compressor`` never grows with the bandwidth (bandwidth only divides the
+    bytes, and the compressor sends fewer; its codec time and communication floor do not shrink), so a
+    bisection on log bandwidth over :data:`BREAK_EVEN_RANGE` finds the crossing to 0.1 %. Returns
+    ``math.inf`` when compression pays over the whole range, ``0.0`` when it pays nowhere in it, and
+    ``None`` when every GPU sits in one node (the network is not used).
+    """
+    import math
+
+    m = network_preset(model) if isinstance(model, str) else model
+    c = compressor_from(compressor, m, codec_times_from(kw.pop("codec_times", None)))
+    cl = cluster_preset(cluster) if isinstance(cluster, str) else cluster
+    kw.pop("speedup", None)
+    kw.pop("break_even", None)
+    if cl.layout(workers)[1] < 2:
+        return None
+
+    def pays(bw: float) -> bool:
+        p = predict(m, c, replace(cl, bandwidth=bw), workers, speedup=True, **kw)
+        return p.speedup_vs_fp32 is not None and p.speedup_vs_fp32 > 1.0
+
+    lo, hi = BREAK_EVEN_RANGE
+    if pays(hi):
+        return math.inf
+    if not pays(lo):
+        return 0.0
+    while hi / lo > 1.001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pays(mid) else (lo, mid)
+    return math.sqrt(lo * hi)
 
 
 def sweep(model: Model | str, compressors: Compressor | str | Sequence[Compressor | str], cluster: Cluster | str,
@@ -310,7 +388,7 @@ _SETUP_KEYS = ("network", "params", "gradient_mb", "gradient_bytes", "compute_ms
                "cluster", "bandwidth", "latency_us", "gpus_per_node", "intra_bandwidth", "intra_latency_us")
 _CODEC_KEYS = ("sum_bits", "encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb")
 _PREDICT_KEYS = ("workers", "protocol", "formula", "overlap", "overlap_fraction", "ps_requantize", "ps_servers",
-                 "comm_floor_ms", "speedup")
+                 "comm_floor_ms", "speedup", "codec_times", "break_even", "ps_pull_bits")
 #: every key :func:`predict_config` reads (plus ``compressor``)
 CONFIG_KEYS = _SETUP_KEYS + _CODEC_KEYS + _PREDICT_KEYS + ("compressor",)
 
@@ -328,6 +406,7 @@ def predict_config(config: Mapping[str, Any]) -> Prediction:
     get = {k: v for k, v in config.items() if v is not None}
     model, cl = setup(**{k: get[k] for k in _SETUP_KEYS if k in get})
     codec = {k: get[k] for k in _CODEC_KEYS if k in get}
-    comp = compressor_from(get.get("compressor", "fp32"), model, **codec)
-    kw = {k: get[k] for k in _PREDICT_KEYS if k in get and k != "workers"}
+    times = codec_times_from(get.get("codec_times"))
+    comp = compressor_from(get.get("compressor", "fp32"), model, times, **codec)
+    kw = {k: get[k] for k in _PREDICT_KEYS if k in get and k not in ("workers", "codec_times")}
     return predict(model, comp, cl, get.get("workers", 1), **kw)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from .core import CONFIG_KEYS, Prediction, predict_config
-from .units import PerfModelError
+from .units import PerfModelError, format_rate
 
 __all__ = ["format_table", "plot_sweep", "validate", "Validation"]
 
@@ -21,6 +21,17 @@ def _num(x: Optional[float], digits: int = 4) -> str:
     return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
 
 
+def _rate(bw: Optional[float]) -> str:
+    """A break-even bandwidth for the table: ``—`` (not asked, fp32, one node), ``never``, ``always``."""
+    if bw is None:
+        return "—"
+    if bw == 0:
+        return "never"
+    if math.isinf(bw):
+        return "always"
+    return format_rate(bw)
+
+
 def format_table(predictions: Sequence[Prediction]) -> str:
     """A markdown table, one row per prediction: compressor, GPUs, nodes, protocol, bits per
     coordinate, compute / codec / communication / iteration ms, throughput (and speedup vs fp32 when
@@ -29,8 +40,10 @@ def format_table(predictions: Sequence[Prediction]) -> str:
         raise PerfModelError("no predictions to tabulate")
     unit = predictions[0].throughput_unit
     speed = any(p.speedup_vs_fp32 is not None for p in predictions)
+    even = any(p.break_even_bandwidth is not None for p in predictions)
     head = ["compressor", "GPUs", "nodes", "protocol", "bits/coord", "compute ms", "codec ms", "comm ms",
-            "iteration ms", f"throughput ({unit})"] + (["speedup vs fp32"] if speed else [])
+            "iteration ms", f"throughput ({unit})"] + (["speedup vs fp32"] if speed else []) + \
+        (["pays below"] if even else [])
     rows = []
     for p in predictions:
         proto = p.protocol + ("" if p.formula == "ring" else f" ({p.formula})")
@@ -39,6 +52,8 @@ def format_table(predictions: Sequence[Prediction]) -> str:
              _num(p.iteration_ms), _num(p.throughput)]
         if speed:
             r.append("—" if p.speedup_vs_fp32 is None else f"{p.speedup_vs_fp32:.2f}×")
+        if even:
+            r.append(_rate(p.break_even_bandwidth))
         rows.append(r)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     left = {0, 3}

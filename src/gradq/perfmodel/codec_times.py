@@ -1,0 +1,104 @@
+"""Measured codec speeds for the performance model: the JSON that ``benchmarks/bench_codecs.py --memory
+--json FILE`` writes, read back as milliseconds per MB of fp32 gradient for each spec.
+
+A projection's codec time is then ``encode_ms_per_mb · (4n / 10⁶)`` (and the same for decode), scaled
+from the benchmark's vector to the model's gradient: the kernels are memory-bound and linear in ``n``
+once ``n`` is far above a bucket (the benchmark uses 25M values).
+
+``gradq perfmodel`` uses the file shipped with the package (:data:`DEFAULT_CODEC_TIMES`, measured on a
+2-core CPU with the numba kernels, see ``docs/performance.md``) unless ``--codec-times FILE`` names
+another — measure your own device with ``bench_codecs.py --memory --device cuda --json FILE`` — or
+``--codec-times none`` asks for no codec time. The shipped CPU figures overstate a GPU's codec time, so
+a projection with them is conservative for compression.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from .units import PerfModelError
+
+__all__ = ["CodecTimes", "load_codec_times", "DEFAULT_CODEC_TIMES", "codec_times_from"]
+
+#: the measurement shipped with gradq (CPU, numba kernels); see the module docstring
+DEFAULT_CODEC_TIMES = Path(__file__).with_name("codec_times_cpu.json")
+_FORMAT = "gradq-codec-times/1"
+
+
+@dataclass(frozen=True)
+class CodecTimes:
+    """Measured encode / decode speed per canonical spec, in ms per MB (10⁶ bytes) of fp32 input.
+
+    Args:
+        per_mb: canonical spec (``gradq.build(s).spec``) → ``(encode_ms_per_mb, decode_ms_per_mb)``.
+        device_name: what the times were measured on (e.g. ``"NVIDIA H100"`` or ``"CPU, 2 threads"``).
+        source: where they came from (a path), for messages and reports.
+    """
+
+    per_mb: dict[str, tuple[float, float]]
+    device_name: str = "unknown"
+    source: str = ""
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def lookup(self, spec: str) -> Optional[tuple[float, float]]:
+        """``(encode_ms_per_mb, decode_ms_per_mb)`` of ``spec`` (any spelling gradq accepts), or ``None``
+        when the file has no measurement of it."""
+        return self.per_mb.get(_canonical(spec))
+
+    def describe(self) -> str:
+        """One line: where the times come from."""
+        return f"codec times measured on {self.device_name} ({self.source})"
+
+
+def _canonical(spec: str) -> str:
+    from ..factory import build
+
+    try:
+        return build(spec).spec
+    except ValueError:
+        return spec.strip()
+
+
+def load_codec_times(path: Union[str, Path]) -> CodecTimes:
+    """Read a ``bench_codecs.py --memory --json`` file.
+
+    Raises:
+        PerfModelError: the file is missing, not JSON, or not in that format (the message says which).
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as e:
+        raise PerfModelError(f"cannot read codec times {str(p)!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PerfModelError(f"codec times {str(p)!r} is not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise PerfModelError(f"{str(p)!r} is not a codec-times file (format {_FORMAT!r}); write one with "
+                             "python benchmarks/bench_codecs.py --memory --json FILE")
+    try:
+        mb = float(doc["input_mb"])
+        per_mb = {}
+        for row in doc["rows"]:
+            e, d = float(row["encode_ms"]), float(row["decode_ms"])
+            if not (mb > 0 and e >= 0 and d >= 0):
+                raise ValueError
+            per_mb[_canonical(str(row["spec"]))] = (e / mb, d / mb)
+    except (KeyError, TypeError, ValueError):
+        raise PerfModelError(f"codec times {str(p)!r}: every row needs a spec and non-negative encode_ms, "
+                             "decode_ms; the file needs input_mb > 0") from None
+    return CodecTimes(per_mb, str(doc.get("device_name", doc.get("device", "unknown"))), str(p),
+                      {k: v for k, v in doc.items() if k != "rows"})
+
+
+def codec_times_from(value: Union[None, str, Path, CodecTimes]) -> Optional[CodecTimes]:
+    """A :class:`CodecTimes` from ``None``/``"none"`` (no codec time), ``"default"`` (the shipped file),
+    a path, or a :class:`CodecTimes` as it is."""
+    if value is None or isinstance(value, CodecTimes):
+        return value
+    text = str(value).strip()
+    if text.lower() == "none":
+        return None
+    return load_codec_times(DEFAULT_CODEC_TIMES if text.lower() == "default" else text)
