@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--spec", default="qsgd:bits=4,bucket=512")
     ap.add_argument("--steps", type=int, default=400, help="at least this many training steps per run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the spec alone and the adaptive mode this many times, alternating, and report each "
+                         "round's ratio and their median (runs one after another see different machine states)")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="bench-adaptive-")
@@ -61,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
               str(args.batch_size), "--epochs", str(epochs), "--lr", "0.05"]
     if args.network:
         common += ["--network", args.network]
-    runs = {"fp32": ["-c", "fp32"], "spec": ["-c", args.spec], "adaptive": ["-c", args.spec, "--adaptive"]}
+    runs = {"fp32": ["-c", "fp32"]}
+    for r in range(args.rounds):
+        sfx = "" if r == 0 else f"-{r + 1}"
+        runs["spec" + sfx] = ["-c", args.spec]
+        runs["adaptive" + sfx] = ["-c", args.spec, "--adaptive"]
     dirs = {}
     for name, extra in runs.items():
         d = os.path.join(out, name)
@@ -71,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         dirs[name] = os.path.join(d, sorted(e for e in os.listdir(d) if os.path.isdir(os.path.join(d, e)))[0])
     data = {k: steps_of(v) for k, v in dirs.items()}
     decisions = data["adaptive"][1].get("adaptive_decisions", [])
-    if not decisions:
-        print("the adaptive run made no decision: give it more --steps")
+    if not decisions or any(not data[k][1].get("adaptive_decisions") for k in data if k.startswith("adaptive")):
+        print("an adaptive run made no decision: give it more --steps")
         return 1
-    first = int(decisions[0]["step"])
+    first = max(int(data[k][1]["adaptive_decisions"][0]["step"]) for k in data if k.startswith("adaptive"))
     med = {k: statistics.median(dt(r) for r in rows[first:]) for k, (rows, _) in data.items()}
     chosen = data["adaptive"][1]["adaptive_chosen"]
     rows = data["adaptive"][0]
@@ -93,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- probing: {len(probe_steps)} steps, {1e3 * extra:.1f} ms above the chosen mode's median: "
           f"**{100 * extra / (1000 * med['adaptive']):.2f} %** of a 1000-step run")
     print(f"- decisions: {decisions}")
+    if args.rounds > 1:
+        ratios = [med["adaptive" + s] / med["spec" + s] for s in [""] + [f"-{r + 1}" for r in range(1, args.rounds)]]
+        print("- adaptive ÷ spec per round (alternating runs): " + ", ".join(f"{x:.3f}" for x in ratios)
+              + f"; median **{statistics.median(ratios):.3f}**")
     return 0
 
 
