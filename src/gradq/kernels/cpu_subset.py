@@ -15,11 +15,21 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .numba_common import _fill_hash, _kernel
+from .numba_common import _fill_hash, _inline, _kernel
 
 _FLIP = np.uint32(0x80000000)
 _BLOCK = 4096   # random bits made 16 lanes at a time into a block, then scanned
 _PHI = 0x9E3779B9
+
+
+@_inline
+def _block(buf, a, end, base, k2h):
+    """``u_i`` of ``i = a … a + m − 1`` into ``buf[:m]``, ``m = min(block, end − a)``; returns ``m``."""
+    m = min(_BLOCK, end - a)
+    _fill_hash(buf[:m], np.uint32((base + a * _PHI) & 0xFFFFFFFF), k2h)
+    for j in range(m):
+        buf[j] ^= _FLIP
+    return m
 
 
 @_kernel
@@ -28,11 +38,10 @@ def histogram(n, base, k2h, part, hist):
     for p in prange(hist.shape[0]):
         h = hist[p]
         buf = np.empty(_BLOCK, dtype=np.uint32)
-        for a in range(p * part, min(n, (p + 1) * part), _BLOCK):
-            m = min(_BLOCK, min(n, (p + 1) * part) - a)
-            _fill_hash(buf[:m], np.uint32((base + a * _PHI) & 0xFFFFFFFF), k2h)
-            for j in range(m):
-                h[(buf[j] ^ _FLIP) >> 16] += 1
+        end = min(n, (p + 1) * part)
+        for a in range(p * part, end, _BLOCK):
+            for j in range(_block(buf, a, end, base, k2h)):
+                h[buf[j] >> 16] += 1
 
 
 @_kernel
@@ -41,11 +50,10 @@ def gather_bin(n, base, k2h, part, top, offsets, keys, idx):
     for p in prange(offsets.size):
         o = offsets[p]
         buf = np.empty(_BLOCK, dtype=np.uint32)
-        for a in range(p * part, min(n, (p + 1) * part), _BLOCK):
-            m = min(_BLOCK, min(n, (p + 1) * part) - a)
-            _fill_hash(buf[:m], np.uint32((base + a * _PHI) & 0xFFFFFFFF), k2h)
-            for j in range(m):
-                u = buf[j] ^ _FLIP
+        end = min(n, (p + 1) * part)
+        for a in range(p * part, end, _BLOCK):
+            for j in range(_block(buf, a, end, base, k2h)):
+                u = buf[j]
                 if (u >> 16) == top:
                     keys[o] = u
                     idx[o] = a + j
@@ -59,11 +67,10 @@ def write_selected(n, base, k2h, part, top, ulast, ilast, offsets, out):
     for p in prange(offsets.size):
         o = offsets[p]
         buf = np.empty(_BLOCK, dtype=np.uint32)
-        for a in range(p * part, min(n, (p + 1) * part), _BLOCK):
-            m = min(_BLOCK, min(n, (p + 1) * part) - a)
-            _fill_hash(buf[:m], np.uint32((base + a * _PHI) & 0xFFFFFFFF), k2h)
-            for j in range(m):
-                u = buf[j] ^ _FLIP
+        end = min(n, (p + 1) * part)
+        for a in range(p * part, end, _BLOCK):
+            for j in range(_block(buf, a, end, base, k2h)):
+                u = buf[j]
                 hi = u >> 16
                 if hi < top or (hi == top and (u < ulast or (u == ulast and a + j <= ilast))):
                     out[o] = a + j

@@ -114,48 +114,39 @@ def _hash32(typingctx, base, i, k2h):
     return sig, codegen
 
 
-@intrinsic
-def _fill_uniform_vec(typingctx, arr, nvec, base, k2h):
-    """``arr[j]`` = uniform of element ``j`` of the run, for ``j < 16·nvec``."""
-    sig = types.void(arr, nvec, types.uint32, types.uint32)
+def _fill_intrinsic(uniform: bool):
+    """An intrinsic ``(arr, nvec, base, k2h)`` that fills ``arr[j]``, ``j < 16·nvec``, with element
+    ``j`` of the run, 16 lanes at a time: its float32 uniform, or (``uniform=False``) its 32 bits."""
+    @intrinsic
+    def _impl(typingctx, arr, nvec, base, k2h):
+        sig = types.void(arr, nvec, types.uint32, types.uint32)
 
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count, b, k = args[1], args[2], args[3]
-        i32, vi, vf, const, inv24 = _ir_vectors()
-        state = _ir_counters(builder, vi, b)
-        kv = _ir_splat(builder, vi, k)
-        with cgutils.for_range(builder, count) as loop:
-            x = builder.load(state)
-            ptr = builder.gep(data, [builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))])
-            builder.store(_ir_uniform(builder, x, kv, const, vf, inv24), builder.bitcast(ptr, vf.as_pointer()),
-                          align=4)
-            builder.store(builder.add(x, const(_LANES * 0x9E3779B9)), state)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            count, b, k = args[1], args[2], args[3]
+            i32, vi, vf, const, inv24 = _ir_vectors()
+            state = _ir_counters(builder, vi, b)
+            kv = _ir_splat(builder, vi, k)
+            with cgutils.for_range(builder, count) as loop:
+                x = builder.load(state)
+                ptr = builder.gep(data, [builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))])
+                if uniform:
+                    val, vty = _ir_uniform(builder, x, kv, const, vf, inv24), vf
+                else:
+                    val, vty = _ir_mix32(builder, builder.xor(_ir_mix32(builder, x, const), kv), const), vi
+                builder.store(val, builder.bitcast(ptr, vty.as_pointer()), align=4)
+                builder.store(builder.add(x, const(_LANES * 0x9E3779B9)), state)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return _impl
 
 
-@intrinsic
-def _fill_hash_vec(typingctx, arr, nvec, base, k2h):
-    """``arr[j]`` = the 32 random bits (:func:`_hash32`) of element ``j`` of the run, for ``j < 16·nvec``."""
-    sig = types.void(arr, nvec, types.uint32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count, b, k = args[1], args[2], args[3]
-        i32, vi, vf, const, inv24 = _ir_vectors()
-        state = _ir_counters(builder, vi, b)
-        kv = _ir_splat(builder, vi, k)
-        with cgutils.for_range(builder, count) as loop:
-            x = builder.load(state)
-            ptr = builder.gep(data, [builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))])
-            h = _ir_mix32(builder, builder.xor(_ir_mix32(builder, x, const), kv), const)
-            builder.store(h, builder.bitcast(ptr, vi.as_pointer()), align=4)
-            builder.store(builder.add(x, const(_LANES * 0x9E3779B9)), state)
-        return context.get_dummy_value()
-
-    return sig, codegen
+#: ``arr[j]`` = the uniform of element ``j`` of the run, for ``j < 16·nvec``
+_fill_uniform_vec = _fill_intrinsic(True)
+#: ``arr[j]`` = the 32 random bits (:func:`_hash32`) of element ``j`` of the run, for ``j < 16·nvec``
+_fill_hash_vec = _fill_intrinsic(False)
 
 
 @_inline
