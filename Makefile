@@ -16,7 +16,7 @@ $(PY):
 # Reinstall when the pins or the package metadata change.
 $(STAMP): $(PY) requirements-pins.txt pyproject.toml
 	$(PIP) install -q $(FIND) -c requirements-pins.txt torch
-	$(PIP) install -q $(FIND) -c requirements-pins.txt -e '.[test,data,plots,ans]'
+	$(PIP) install -q $(FIND) -c requirements-pins.txt -e '.[test,data,plots,ans,integrations]'
 	touch $(STAMP)
 
 setup: $(STAMP)
