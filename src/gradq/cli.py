@@ -118,6 +118,9 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
                        help="gloo (CPU, default), nccl (one GPU per process), or cuda:gloo (gloo on GPU tensors: "
                             "several processes may share one GPU; for testing)")
         c.add_argument("--log-every", type=int, default=1, help="write a step row every N steps")
+        c.add_argument("--tensorboard", action="store_true",
+                       help="also write TensorBoard event files into each run's directory (tensorboard/; view with "
+                            "`tensorboard --logdir OUT`; needs the tensorboard package)")
         c.add_argument("--comm-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="seconds a collective may wait for the other ranks before the run fails with an "
                             "error naming the step (default 300: a dead rank is noticed at once, a stalled "
@@ -178,7 +181,7 @@ def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any)
         raise GradqError("--seeds names no seed")
     keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
             "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "adaptive", "uncompressed",
-            "backend", "log_every", "workers", "network", "comm_timeout")
+            "backend", "log_every", "workers", "network", "comm_timeout", "tensorboard")
     base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     base.update(fixed)
     return [TrainConfig(compressor=c, seed=s, **base) for c in compressors for s in seeds]

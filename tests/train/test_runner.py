@@ -201,3 +201,20 @@ def test_in_place_under_a_launcher_like_torchrun(tmp_path):
 def test_launch_module_usage_message():
     r = subprocess.run([sys.executable, "-m", "gradq.train.launch"], capture_output=True, text=True)
     assert r.returncode == 2 and "started by gradq train" in r.stderr
+
+
+def test_tensorboard_events_mirror_the_log(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (d,) = run_all([_cfg(compressor="qsgd:bits=4,bucket=128", epochs=1, tensorboard=True)], tmp_path, echo=False,
+                   timeout=300)
+    acc = EventAccumulator(str(d / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "gradq/bits_per_coord", "gradq/bytes_sent", "gradq/encode_seconds",
+            "epoch/test_accuracy"} <= tags
+    steps = [r for r in _rows(d) if r["kind"] == "step"]
+    bits = acc.Scalars("gradq/bits_per_coord")
+    assert [e.step for e in bits] == [r["step"] for r in steps]
+    assert [e.value for e in bits] == pytest.approx([r["bits_per_coordinate"] for r in steps], rel=1e-6)

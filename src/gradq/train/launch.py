@@ -26,7 +26,7 @@ from .runner import TrainConfig, run_dir_name, train_worker
 __all__ = ["run_all", "under_torchrun", "finished"]
 
 #: settings that do not change a run's result (a finished run is reused whatever they say)
-_COSMETIC = ("progress", "comm_timeout")
+_COSMETIC = ("progress", "comm_timeout", "tensorboard")  # settings that do not change what a run computes
 
 
 def under_torchrun() -> bool:

@@ -88,6 +88,7 @@ class TrainConfig:
     test_fraction: float = 0.2
     network: Optional[str] = None  # the emulated link rate the workers ran on (recorded; set by the launcher)
     progress: bool = True
+    tensorboard: bool = False  # also write TensorBoard event files into the run directory's tensorboard/
     comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks (hook and runner)
 
     def __post_init__(self) -> None:
@@ -337,8 +338,11 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
     numel = sum(p.numel() for p in model.parameters())
     log = None
     bar = None
+    board = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if cfg.tensorboard:
+            board = _tensorboard(out / "tensorboard")
         conf = dict(cfg.to_json(), world_size=world, parameters=numel, train_examples=int(x_tr.shape[0]),
                     test_examples=int(x_te.shape[0]), steps_per_epoch=steps_per_epoch,
                     torch_version=torch.__version__, gradq_version=version, device=str(device))
@@ -354,6 +358,8 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
         if log is not None:
             log.write(json.dumps(dict(row, compressor=cfg.compressor)) + "\n")
             log.flush()
+        if board is not None:
+            _board_row(board, row)
 
     wall = 0.0
     step = 0
@@ -445,3 +451,33 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
             bar.close()
         if log is not None:
             log.close()
+        if board is not None:
+            board.close()
+
+
+#: log.jsonl fields written to TensorBoard, by row kind: (field, tag)
+_BOARD = {"step": (("loss", "train/loss"), ("lr", "train/lr"), ("bits_per_coordinate", "gradq/bits_per_coord"),
+                   ("bytes_sent", "gradq/bytes_sent"), ("encode_s", "gradq/encode_seconds"),
+                   ("comm_s", "gradq/comm_seconds"), ("decode_s", "gradq/decode_seconds"),
+                   ("compute_s", "train/compute_seconds"), ("rel_error", "gradq/rel_error")),
+          "epoch": (("loss", "epoch/train_loss"), ("train_accuracy", "epoch/train_accuracy"),
+                    ("test_loss", "epoch/test_loss"), ("test_accuracy", "epoch/test_accuracy"),
+                    ("epoch_s", "epoch/seconds"), ("bits_per_coordinate", "epoch/bits_per_coord"))}
+
+
+def _tensorboard(path: Path) -> Any:
+    """A TensorBoard ``SummaryWriter`` on ``path`` (``gradq train --tensorboard``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ValueError(f"--tensorboard needs the tensorboard package (pip install tensorboard): {e}") from None
+    return SummaryWriter(str(path))
+
+
+def _board_row(board: Any, row: dict[str, Any]) -> None:
+    """One log.jsonl row's numbers as TensorBoard scalars at the row's step (wall time in seconds of
+    training, so runs compare on a time axis too)."""
+    for key, tag in _BOARD.get(row.get("kind"), ()):
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            board.add_scalar(tag, float(v), global_step=int(row["step"]), walltime=float(row.get("wall_s", 0.0)))
