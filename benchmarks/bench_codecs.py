@@ -280,8 +280,9 @@ def api_table(x: torch.Tensor, dst: torch.Tensor, repeats: int, copy_gbs: float)
 
 # ---- peak memory and device timing (--memory) ----------------------------------------------------
 MEMORY_SPECS = ["qsgd:bits=2,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512",
-                "qsgd:bits=4,bucket=512,norm=l2", "terngrad", "terngrad:pack=2bit", "maxnorm:bits=4",
-                "multiscale:bits=2+6", "orq:levels=5", "orq:levels=9", "linear:levels=5", "signsgd",
+                "qsgd:bits=4,bucket=512,norm=l2", "terngrad", "terngrad:pack=2bit", "maxnorm:bits=2", "maxnorm:bits=4",
+                "maxnorm:bits=8", "multiscale:bits=2+6", "randk-maxnorm:ratio=0.01,bits=4",
+                "randk-multiscale:ratio=0.01,bits=2+6", "orq:levels=5", "orq:levels=9", "linear:levels=5", "signsgd",
                 "onebit:ef=0", "bingrad-b", "bingrad-pb", "qsgd:bits=4,coding=elias"]
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every figure that needs a GPU, in one run (for a machine with one NVIDIA GPU; see docs/performance.md,
-# "Kernels" and "The DDP hook"): the GPU-marked tests, the codecs on CUDA, NCCL end to end, and, where
+# "Kernels" and "The DDP hook"): the GPU-marked tests, the codecs on CUDA (and their codec-times file),
+# the framework integrations, NCCL end to end, and, where
 # `ip`/`tc` work (as root), the hook with 4 ranks of their own cores on emulated 1 Gbit/s links.
 #
 #   OUT=/some/dir bash benchmarks/gpu_figures.sh      # logs go to $OUT (default ./gpu-figures)
@@ -22,7 +23,9 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpu.txt" 2>&1 || true
 $PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >>"$OUT/gpu.txt" 2>&1
 step gpu-tests "$PY" -m pytest -q -m gpu tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
-step codecs-cuda "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7
+step codecs-cuda "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
+  --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
+step integrations-gpu "$PY" -m pytest -q tests/test_integrations.py   # the examples pick CUDA when present
 step nccl-train "$PY" -m gradq.cli train --backend nccl --workers 1 --model mlp --data digits --epochs 1 \
   -c fp32 -c qsgd:bits=4,bucket=512 --out "$OUT/nccl-run"
 if command -v tc >/dev/null && [ "$(id -u)" = 0 ]; then

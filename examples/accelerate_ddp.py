@@ -31,6 +31,11 @@ def batch(step: int, rank: int, size: int = 16) -> tuple[torch.Tensor, torch.Ten
     return x, x[:, :10].argmax(1)
 
 
+def use_gpu() -> bool:
+    """CUDA when every local process gets a GPU of its own (NCCL refuses two ranks on one GPU)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="onebit", help="gradq spec (default onebit: 1 bit, error feedback)")
@@ -39,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/accelerate")
     ap.add_argument("--tensorboard", action="store_true", help="log to TensorBoard (needs tensorboard)")
     args = ap.parse_args()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), project_dir=args.out,
+    accelerator = Accelerator(cpu=not use_gpu(), project_dir=args.out,
                               log_with="tensorboard" if args.tensorboard else None)
     if args.tensorboard:
         accelerator.init_trackers("gradq")

@@ -50,6 +50,11 @@ def dataset(n: int = 256) -> list[dict]:
     return [{"x": x[i], "labels": x[i, :10].argmax()} for i in range(n)]
 
 
+def use_gpu() -> bool:
+    """CUDA when every local process gets a GPU of its own (NCCL refuses two ranks on one GPU)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="onebit", help="gradq spec (default onebit: 1 bit, error feedback)")
@@ -60,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     targs = TrainingArguments(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=16,
                               learning_rate=0.1, lr_scheduler_type="constant", optim="sgd", save_steps=4,
-                              logging_steps=1, report_to=args.report_to, use_cpu=not torch.cuda.is_available(),
+                              logging_steps=1, report_to=args.report_to, use_cpu=not use_gpu(),
                               ddp_backend="gloo" if not torch.cuda.is_available() else None, seed=0,
                               data_seed=0, disable_tqdm=True)
     model = Net()
