@@ -529,7 +529,21 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str | Q
              strategy: str = "auto", **kw: Any) -> GradqState:
     """Quantize ``ddp_model``'s gradient averaging with ``spec``; returns the hook's :class:`GradqState`.
 
-    ``kw`` are :class:`GradqState`'s keyword arguments (``process_group`` defaults to the DDP model's)."""
+    ``kw`` are :class:`GradqState`'s keyword arguments (``process_group`` defaults to the DDP model's).
+
+    A model sharded with FSDP2's ``fully_shard`` gets gradq's compressed reduce-scatter instead
+    (:func:`gradq.fsdp.register`, which returns a :class:`gradq.fsdp.GradqReduceScatter`)."""
+    from .fsdp import is_fsdp2
+
+    if is_fsdp2(ddp_model):
+        from .fsdp import register as register_fsdp
+
+        if strategy != "auto":
+            raise TypeError("strategy= does not apply to an FSDP2 model (its gradients are reduce-scattered)")
+        return register_fsdp(ddp_model, spec, **kw)  # type: ignore[return-value]
+    if type(ddp_model).__name__ == "FullyShardedDataParallel":
+        raise TypeError("gradq.register supports FSDP2 (torch.distributed.fsdp.fully_shard), not the FSDP1 "
+                        "FullyShardedDataParallel wrapper")
     if not hasattr(ddp_model, "register_comm_hook"):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     kw.setdefault("process_group", getattr(ddp_model, "process_group", None))
