@@ -86,6 +86,47 @@ def _child(rank: int, world: int, tmp: str, case: str) -> None:
             lq, _, comm = _train("qsgd:bits=4,bucket=128", 60, rank)
             out = {"fp32": [l32[0], sum(l32[-10:]) / 10], "q": [lq[0], sum(lq[-10:]) / 10],
                    "bits": comm.last_stats["bits_per_coord"], "state": comm.state_dict()}
+        elif case == "resume":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            spec = "qsgd:bits=4,bucket=64"
+
+            def run(steps: range, m, opt) -> None:
+                for t in steps:
+                    x, y = _batch(t, rank)
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+
+            def fresh():
+                m = _shard(_model())
+                return m, gradq.register(m, spec, seed=3), torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+            m, comm, opt = fresh()
+            run(range(6), m, opt)
+            straight = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
+            m, comm, opt = fresh()
+            run(range(3), m, opt)
+            msd, osd = get_state_dict(m, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
+            saved_comm = comm.state_dict()
+            m, comm, opt = fresh()   # a new process would start here
+            msd, osd = get_state_dict(m, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
+            set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            comm.load_state_dict(saved_comm)
+            run(range(3, 6), m, opt)
+            resumed = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
+            m, comm, opt = fresh()   # without gradq's state the seeds restart: a different run
+            sd = {"model": get_state_dict(m, opt)[0], "optim": get_state_dict(m, opt)[1]}
+            dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
+            set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            run(range(3, 6), m, opt)
+            forgot = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
+            out = {"exact": bool(torch.equal(straight, resumed)), "forgot_differs": not torch.equal(straight, forgot),
+                   "calls": saved_comm["calls"]}
         elif case == "mismatch":
             spec = "qsgd:bits=4" if rank == 0 else "qsgd:bits=2"
             try:
@@ -126,6 +167,15 @@ def test_training_converges_like_fp32_at_4_bits():
     assert b32 < 0.5 * a32 and bq < 0.5 * aq     # both learn the linear map
     assert bq < 1.5 * b32 + 0.05                  # 4-bit QSGD stays close to fp32 (variance ~ 1/s²)
     assert 4.0 < out["bits"] < 6.0 and out["state"]["calls"] > 0
+
+
+def test_checkpoint_and_resume_continue_exactly():
+    """torch.distributed.checkpoint for the model and optimizer, GradqReduceScatter.state_dict for
+    gradq (its call counter sets the next seeds); without the latter the seeds restart and the run
+    ends elsewhere, which shows the comparison can fail."""
+    out = _run("resume")
+    assert out["calls"] == 6   # 3 steps x 2 FSDP modules holding parameters
+    assert out["exact"] and out["forgot_differs"]
 
 
 def test_mismatched_specs_fail_at_the_first_reduce_scatter():
