@@ -62,14 +62,22 @@ def _canonical(spec: str) -> str:
         return spec.strip()
 
 
+#: parsed files by (path, modification time, size): a sweep asks for the same file once per prediction
+_LOADED: dict[tuple[str, int, int], CodecTimes] = {}
+
+
 def load_codec_times(path: Union[str, Path]) -> CodecTimes:
-    """Read a ``bench_codecs.py --memory --json`` file.
+    """Read a ``bench_codecs.py --memory --json`` file (parsed once while it is unchanged).
 
     Raises:
         PerfModelError: the file is missing, not JSON, or not in that format (the message says which).
     """
     p = Path(path)
     try:
+        st = p.stat()
+        key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
         doc = json.loads(p.read_text())
     except OSError as e:
         raise PerfModelError(f"cannot read codec times {str(p)!r}: {e.strerror or e}") from None
@@ -89,8 +97,10 @@ def load_codec_times(path: Union[str, Path]) -> CodecTimes:
     except (KeyError, TypeError, ValueError):
         raise PerfModelError(f"codec times {str(p)!r}: every row needs a spec and non-negative encode_ms, "
                              "decode_ms; the file needs input_mb > 0") from None
-    return CodecTimes(per_mb, str(doc.get("device_name", doc.get("device", "unknown"))), str(p),
-                      {k: v for k, v in doc.items() if k != "rows"})
+    times = CodecTimes(per_mb, str(doc.get("device_name", doc.get("device", "unknown"))), str(p),
+                       {k: v for k, v in doc.items() if k != "rows"})
+    _LOADED[key] = times
+    return times
 
 
 def codec_times_from(value: Union[None, str, Path, CodecTimes]) -> Optional[CodecTimes]:
