@@ -1,9 +1,10 @@
-"""gradq's compressed reduce-scatter under FSDP2 (fully_shard), 2 gloo ranks on CPU."""
+"""gradq's compressed reduce-scatter under FSDP2 (fully_shard), 2 and 4 gloo ranks on CPU."""
 
 from __future__ import annotations
 
 import json
 import tempfile
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -16,19 +17,22 @@ from gradq_testing import init_gloo, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
 
+#: every parameter of the small test models compressed (the default policy would keep them all in float32)
+ALL = {"min_numel": 0, "keep_1d_fp32": False}
 
-def _model() -> torch.nn.Module:
+
+def _model(width: int = 32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
 
 
-def _shard(m: torch.nn.Module) -> torch.nn.Module:
+def _shard(m: torch.nn.Module, **kw: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in m:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(m)
+            fully_shard(layer, **kw)
+    return fully_shard(m, **kw)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,103 +41,222 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4] * 2.0 - x[:, 4:8]
 
 
-def _train(spec, steps: int, rank: int) -> tuple[list[float], torch.Tensor, object]:
-    m = _shard(_model())
-    comm = None if spec is None else gradq.register(m, spec, seed=5)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+def _full(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
+
+
+def _train(spec: Optional[str], steps: int, rank: int, *, accumulate: int = 1, shard_kw: Optional[dict] = None,
+           lr: float = 0.05, **kw: Any) -> tuple[list[float], torch.Tensor, Any]:
+    m = _shard(_model(), **(shard_kw or {}))
+    comm = None if spec is None else gradq.register(m, spec, seed=5, **{**ALL, **kw})
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
     losses = []
     for t in range(steps):
-        x, y = _batch(t, rank)
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
+        for a in range(accumulate):   # gradient accumulation: only the last micro-batch reduces
+            m.set_requires_gradient_sync(a == accumulate - 1)
+            x, y = _batch(t * accumulate + a, rank)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    full = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
-    return losses, full, comm
+    return losses, _full(m), comm
+
+
+def _case_fp32(rank: int, world: int, tmp: str) -> dict:
+    """Spec "none" through gradq against stock FSDP2: plain, without resharding after forward, with
+    gradient accumulation, and with a bfloat16 reduce dtype (the policy's raw values)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out: dict = {}
+    variants = {"plain": {}, "no_reshard": {"shard_kw": {"reshard_after_forward": False}},
+                "accumulate": {"accumulate": 3},
+                # every parameter kept in full precision by the policy: raw bfloat16 values on the wire
+                "bf16": {"shard_kw": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)},
+                         "min_numel": 10 ** 9}}
+    for name, kw in variants.items():
+        _, stock, _ = _train(None, 3, rank, **{k: v for k, v in kw.items() if k != "min_numel"})
+        _, ours, comm = _train("none", 3, rank, **kw)
+        out[name] = {"equal": bool(torch.equal(stock, ours)), "steps": comm.totals["steps"],
+                     "calls": comm.totals["calls"], "bits": comm.last_stats["bits_per_coord"]}
+    return out
+
+
+def _case_direct(rank: int, world: int, tmp: str) -> dict:
+    """One call outside FSDP: this rank's block equals its recomputation from every rank's input."""
+    from gradq.comm import derive_seed
+
+    comm = GradqReduceScatter("qsgd:bits=4,bucket=64", seed=9)
+    S = 300
+    inputs = [torch.randn(world * S, generator=torch.Generator().manual_seed(i)) for i in range(world)]
+    res = torch.empty(S)
+    comm(res, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+    q = comm.quantizer
+    want = torch.zeros(S)
+    for i in range(world):   # in rank order, divided once: the protocol's sum
+        want.add_(q.decode(q.encode(inputs[i][rank * S:(rank + 1) * S], seed=derive_seed(9, i, f"rs0:{rank}"))))
+    want.div_(world)
+    summed = torch.empty(S)
+    comm(summed, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.PREMUL_SUM(0.5))
+    return {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
+            "expected": (world - 1) * (q.expected_nbytes(S) + 4 + 4), "calls": comm.calls,
+            "steps": comm.totals["steps"], "premul_close": float((summed - 0.5 * world * want).abs().max()) < 0.5}
+
+
+def _case_policy(rank: int, world: int, tmp: str) -> dict:
+    """The default policy: the biases (1-D) and the small output layer (< min_numel) travel in float32
+    and reduce exactly as stock FSDP2's; the wide layer is quantized; bytes follow the layout."""
+    spec = "qsgd:bits=4,bucket=64"
+    _, stock, _ = _train(None, 1, rank, lr=1.0)
+    _, ours, comm = _train(spec, 1, rank, lr=1.0, min_numel=200, keep_1d_fp32=True)
+    m = _model()
+    sizes = [p.numel() for p in m.parameters()]   # w1 (512), b1 (32), w2 (128), b2 (4)
+    parts = list(torch.split(ours - stock, sizes))
+    q = comm.quantizer
+    # the layer-1 module: w1 quantized (512/world values per rank), b1 in float32 (32/world)
+    expect_l1 = (world - 1) * (q.expected_nbytes(512 // world) + 4 * (32 // world) + 4 + 4)
+    # layer 2 (w2 128 values < min_numel, b2 4 values): all float32
+    expect_l2 = (world - 1) * (4 * (128 // world + 4 // world) + 4 + 4)
+    return {"fp32_exact": [bool(torch.equal(p, torch.zeros_like(p))) for p in parts],
+            "bytes": comm.last_stats["bytes_sent"], "expected": expect_l1 + expect_l2,
+            "quantized": comm.last_stats["quantized_coords"], "coords": comm.last_stats["coords"]}
+
+
+def _case_train(rank: int, world: int, tmp: str) -> dict:
+    l32, _, _ = _train(None, 60, rank)
+    lq, _, comm = _train("qsgd:bits=4,bucket=128", 60, rank)
+    lef, _, ef = _train("ef(qsgd:bits=2,bucket=128)", 60, rank)
+    per_rank = sum(p.numel() for p in _model().parameters())   # unsharded sizes (both dims divide by 2)
+    return {"fp32": [l32[0], sum(l32[-10:]) / 10], "q": [lq[0], sum(lq[-10:]) / 10],
+            "ef": [lef[0], sum(lef[-10:]) / 10], "bits": comm.last_stats["bits_per_coord"],
+            "state": comm.state_dict(), "residual_bytes": ef.residual_bytes, "expected_residual": 4 * per_rank,
+            "ef_state_keys": len(ef.state_dict()["residuals"])}
+
+
+def _case_nonfinite(rank: int, world: int, tmp: str) -> dict:
+    out: dict = {}
+    for policy in ("raise", "skip"):
+        m = _shard(_model())
+        comm = gradq.register(m, "qsgd:bits=4", seed=1, nan_policy=policy, **ALL)
+        rows = []
+        for t in range(3):
+            x, y = _batch(t, rank)
+            if t == 1 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")   # only rank 1 sees it
+            try:
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                grads_zero = all(bool((p.grad == 0).all()) for p in m.parameters())
+                rows.append({"skipped": comm.last_stats["skipped"], "zero": grads_zero})
+            except gradq.NonFiniteError as e:
+                rows.append({"error": str(e)[:80]})
+            for p in m.parameters():
+                p.grad = None
+        out[policy] = {"rows": rows, "skipped_steps": comm.totals["skipped_steps"], "steps": comm.totals["steps"]}
+    return out
+
+
+def _case_resume(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    spec = "qsgd:bits=4,bucket=64"
+
+    def run(steps: range, m, opt) -> None:
+        for t in steps:
+            x, y = _batch(t, rank)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def fresh():
+        m = _shard(_model())
+        return m, gradq.register(m, spec, seed=3, **ALL), torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def load(m, opt) -> None:
+        msd, osd = get_state_dict(m, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
+        set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    m, comm, opt = fresh()
+    run(range(6), m, opt)
+    straight = _full(m)
+    m, comm, opt = fresh()
+    run(range(3), m, opt)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
+    saved_comm = comm.state_dict()
+    m, comm, opt = fresh()   # a new process would start here
+    load(m, opt)
+    comm.load_state_dict(saved_comm)
+    run(range(3, 6), m, opt)
+    resumed = _full(m)
+    m, comm, opt = fresh()   # without gradq's state the seeds restart: a different run
+    load(m, opt)
+    run(range(3, 6), m, opt)
+    return {"exact": bool(torch.equal(straight, resumed)), "forgot_differs": not torch.equal(straight, _full(m)),
+            "calls": saved_comm["calls"], "steps": saved_comm["steps"]}
+
+
+def _case_mismatch(rank: int, world: int, tmp: str) -> dict:
+    out = {}
+    for what, kw in {"spec": {"spec": "qsgd:bits=4" if rank == 0 else "qsgd:bits=2"},
+                     "settings": {"spec": "qsgd:bits=4", "min_numel": 0 if rank == 0 else 100}}.items():
+        try:
+            _train(kw.pop("spec"), 1, rank, **kw)
+            out[what] = None
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+def _case_world4(rank: int, world: int, tmp: str) -> dict:
+    """4 ranks: the flat exchange and the 2x2 hierarchical one, each against its one-process recomputation."""
+    from gradq.comm import derive_seed
+
+    S, L = 200, 2
+    inputs = [torch.randn(world * S, generator=torch.Generator().manual_seed(7 + i)) for i in range(world)]
+    blocks = [x.reshape(world, S) for x in inputs]
+    out = {}
+    for name, kw in {"flat": {}, "hier": {"intra_node": "fp32", "ranks_per_node": L}}.items():
+        comm = GradqReduceScatter("qsgd:bits=4,bucket=50", seed=4, **kw)
+        q = comm.quantizer
+        res = torch.empty(S)
+        comm(res, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+        want = torch.zeros(S)
+        if name == "flat":
+            for i in range(world):
+                want.add_(q.decode(q.encode(blocks[i][rank], seed=derive_seed(4, i, f"rs0:{rank}"))))
+        else:   # node n's sum of this block, encoded by the rank of node n with this rank's local index
+            for n in range(world // L):
+                node_sum = blocks[n * L][rank] + blocks[n * L + 1][rank]
+                sender = n * L + rank % L
+                want.add_(q.decode(q.encode(node_sum, seed=derive_seed(4, sender, f"rs0:{rank}"))))
+        want.div_(world)
+        peers = world - 1 if name == "flat" else world // L - 1
+        out[name] = {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
+                     "expected": peers * (q.expected_nbytes(S) + 8),
+                     "intra": comm.last_stats["intra_node_bytes"]}
+    # FSDP steps on the 2x2 layout: spec "none" matches stock FSDP2 up to the order of the float32
+    # additions (node sums first); 4-bit steps run on
+    _, stock, _ = _train(None, 3, rank)
+    _, ours, _ = _train("none", 3, rank, intra_node="fp32", ranks_per_node=L)
+    _, full, comm = _train("qsgd:bits=4,bucket=64", 4, rank, intra_node="fp32", ranks_per_node=L)
+    out["hier_train"] = {"none_err": float((stock - ours).abs().max() / stock.abs().max()),
+                         "steps": comm.totals["steps"], "finite": bool(torch.isfinite(full).all()),
+                         "moved": float((full - stock).abs().max())}
+    return out
+
+
+CASES = {k[len("_case_"):]: v for k, v in globals().items() if k.startswith("_case_")}
 
 
 def _child(rank: int, world: int, tmp: str, case: str) -> None:
     init_gloo(tmp, rank, world)
     out: dict = {}
     try:
-        if case == "fp32":
-            _, stock, _ = _train(None, 3, rank)
-            _, ours, comm = _train("none", 3, rank)
-            out = {"equal": bool(torch.equal(stock, ours)), "calls": comm.totals["calls"],
-                   "bits": comm.last_stats["bits_per_coord"]}
-        elif case == "direct":
-            from gradq.comm import derive_seed
-
-            comm = GradqReduceScatter("qsgd:bits=4,bucket=64", seed=9)
-            S = 300
-            inputs = [torch.randn(world * S, generator=torch.Generator().manual_seed(i)) for i in range(world)]
-            res = torch.empty(S)
-            comm(res, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
-            q = comm.quantizer   # recompute this rank's block from every rank's input, in one process
-            want = None
-            for i in range(world):
-                d = q.decode(q.encode(inputs[i][rank * S:(rank + 1) * S], seed=derive_seed(9, i, f"rs0:{rank}")))
-                want = d.clone() if want is None else want.add_(d)
-            want.div_(world)
-            summed = torch.empty(S)
-            comm(summed, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.PREMUL_SUM(0.5))
-            out = {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
-                   "expected": (world - 1) * (q.expected_nbytes(S) + 4), "calls": comm.calls,
-                   "premul_close": float((summed - 0.5 * world * want).abs().max()) < 0.5}
-        elif case == "train":
-            l32, _, _ = _train(None, 60, rank)
-            lq, _, comm = _train("qsgd:bits=4,bucket=128", 60, rank)
-            out = {"fp32": [l32[0], sum(l32[-10:]) / 10], "q": [lq[0], sum(lq[-10:]) / 10],
-                   "bits": comm.last_stats["bits_per_coord"], "state": comm.state_dict()}
-        elif case == "resume":
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-            spec = "qsgd:bits=4,bucket=64"
-
-            def run(steps: range, m, opt) -> None:
-                for t in steps:
-                    x, y = _batch(t, rank)
-                    torch.nn.functional.mse_loss(m(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-
-            def fresh():
-                m = _shard(_model())
-                return m, gradq.register(m, spec, seed=3), torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
-            m, comm, opt = fresh()
-            run(range(6), m, opt)
-            straight = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
-            m, comm, opt = fresh()
-            run(range(3), m, opt)
-            msd, osd = get_state_dict(m, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
-            saved_comm = comm.state_dict()
-            m, comm, opt = fresh()   # a new process would start here
-            msd, osd = get_state_dict(m, opt)
-            sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
-            set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            comm.load_state_dict(saved_comm)
-            run(range(3, 6), m, opt)
-            resumed = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
-            m, comm, opt = fresh()   # without gradq's state the seeds restart: a different run
-            sd = {"model": get_state_dict(m, opt)[0], "optim": get_state_dict(m, opt)[1]}
-            dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
-            set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            run(range(3, 6), m, opt)
-            forgot = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
-            out = {"exact": bool(torch.equal(straight, resumed)), "forgot_differs": not torch.equal(straight, forgot),
-                   "calls": saved_comm["calls"]}
-        elif case == "mismatch":
-            spec = "qsgd:bits=4" if rank == 0 else "qsgd:bits=2"
-            try:
-                _train(spec, 1, rank)
-                out = {"error": None}
-            except ValueError as e:
-                out = {"error": str(e)}
+        out = CASES[case](rank, world, tmp)
     finally:
         if rank == 0:
             with open(f"{tmp}/out.json", "w") as f:
@@ -141,32 +264,60 @@ def _child(rank: int, world: int, tmp: str, case: str) -> None:
         teardown()
 
 
-def _run(case: str) -> dict:
+def _run(case: str, world: int = 2) -> dict:
     tmp = tempfile.mkdtemp()
-    mp.spawn(_child, args=(2, tmp, case), nprocs=2, join=True)
+    mp.spawn(_child, args=(world, tmp, case), nprocs=world, join=True)
     with open(f"{tmp}/out.json") as f:
         return json.load(f)
 
 
 def test_fp32_through_gradq_equals_stock_fsdp2():
+    """Also without resharding after forward, with accumulation (set_requires_gradient_sync(False) on
+    2 of 3 micro-batches: those backwards make no call and no step) and with a bfloat16 reduce dtype."""
     out = _run("fp32")
-    # 3 steps x 3 FSDP modules (two layers and the root, which holds no parameters of its own)
-    assert out["equal"] and out["calls"] >= 6 and 32.0 <= out["bits"] < 33.0   # float32 plus header and CRC
+    for name, r in out.items():
+        assert r["equal"], name
+        assert r["steps"] == 3, name
+        assert r["calls"] == 6, name      # 3 steps x 2 FSDP modules holding parameters (the root holds none)
+    assert 32.0 <= out["plain"]["bits"] < 34.0       # float32 plus header, flag and CRC (338 values per step)
+    assert 16.0 <= out["bf16"]["bits"] < 17.5        # bfloat16 values stay bfloat16 on the wire
 
 
 def test_quantized_block_equals_single_process_recomputation_and_bytes():
     out = _run("direct")
-    assert out["exact"] and out["calls"] == 2
-    assert out["bytes"] == out["expected"]   # one packed payload (and its CRC) to the other rank
+    assert out["exact"] and out["calls"] == 2 and out["steps"] == 2   # outside a backward each call is a step
+    assert out["bytes"] == out["expected"]   # one packed payload, its flag and CRC to the other rank
     assert out["premul_close"]
 
 
-def test_training_converges_like_fp32_at_4_bits():
+def test_policy_keeps_small_and_1d_parameters_in_float32():
+    out = _run("policy")
+    w1, b1, w2, b2 = out["fp32_exact"]
+    assert not w1 and b1 and w2 and b2   # the quantized layer differs from stock; the rest is exactly stock's
+    assert out["bytes"] == out["expected"]
+    assert out["quantized"] == 512 // 2 and out["coords"] == (512 + 32 + 128 + 4) // 2
+
+
+def test_training_converges_like_fp32_at_4_bits_and_with_error_feedback():
     out = _run("train")
-    (a32, b32), (aq, bq) = out["fp32"], out["q"]
-    assert b32 < 0.5 * a32 and bq < 0.5 * aq     # both learn the linear map
+    (a32, b32), (aq, bq), (ae, be) = out["fp32"], out["q"], out["ef"]
+    assert b32 < 0.5 * a32 and bq < 0.5 * aq and be < 0.5 * ae   # all learn the linear map
     assert bq < 1.5 * b32 + 0.05                  # 4-bit QSGD stays close to fp32 (variance ~ 1/s²)
+    assert be < 2.0 * b32 + 0.1                   # 2-bit with error feedback too
     assert 4.0 < out["bits"] < 6.0 and out["state"]["calls"] > 0
+    # error feedback holds the unsharded gradient in float32 on every rank: FSDP's saving undone
+    assert out["residual_bytes"] == out["expected_residual"] and out["ef_state_keys"] == 4
+
+
+def test_nonfinite_gradients_raise_on_every_rank_or_skip_the_step():
+    out = _run("nonfinite")
+    r = out["raise"]["rows"]
+    assert "skipped" in r[0] and "error" in r[1] and "non-finite" in r[1]["error"] and "skipped" in r[2]
+    s = out["skip"]["rows"]   # rank 0 (which saw no NaN) reports: every rank skips alike
+    assert s[0] == {"skipped": False, "zero": False}
+    assert s[1] == {"skipped": True, "zero": True}
+    assert s[2] == {"skipped": False, "zero": False}
+    assert out["skip"]["skipped_steps"] == 1 and out["skip"]["steps"] == 3
 
 
 def test_checkpoint_and_resume_continue_exactly():
@@ -174,23 +325,43 @@ def test_checkpoint_and_resume_continue_exactly():
     gradq (its call counter sets the next seeds); without the latter the seeds restart and the run
     ends elsewhere, which shows the comparison can fail."""
     out = _run("resume")
-    assert out["calls"] == 6   # 3 steps x 2 FSDP modules holding parameters
+    assert out["calls"] == 6 and out["steps"] == 3   # 3 steps x 2 FSDP modules holding parameters
     assert out["exact"] and out["forgot_differs"]
 
 
-def test_mismatched_specs_fail_at_the_first_reduce_scatter():
+def test_mismatched_specs_or_settings_fail_at_the_first_reduce_scatter():
     out = _run("mismatch")
-    assert out["error"] is not None and "spec" in out["error"].lower()
+    assert out["spec"] is not None and "spec" in out["spec"].lower()
+    assert out["settings"] is not None and "disagree" in out["settings"]
+
+
+def test_four_ranks_flat_and_two_by_two_hierarchical():
+    out = _run("world4", world=4)
+    for name in ("flat", "hier"):
+        assert out[name]["exact"], name
+        assert out[name]["bytes"] == out[name]["expected"], name   # hier: one payload to the other node
+    assert out["flat"]["intra"] == 0
+    assert out["hier"]["intra"] == (2 - 1) * (2 * 200 + 1) * 4   # float32 ring reduce-scatter inside the node
+    h = out["hier_train"]
+    assert h["none_err"] < 1e-6 and h["finite"] and h["steps"] == 4 and h["moved"] > 0
 
 
 def test_register_refuses_what_it_cannot_do():
     assert not is_fsdp2(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="error feedback"):
-        GradqReduceScatter("onebit")
     with pytest.raises(TypeError, match="fully_shard"):
         gradq.fsdp.register(torch.nn.Linear(2, 2), "qsgd:bits=4")
+    with pytest.raises(ValueError, match="min_numel"):
+        GradqReduceScatter("qsgd:bits=4", min_numel="auto")
+    with pytest.raises(ValueError, match="nan_policy"):
+        GradqReduceScatter("qsgd:bits=4", nan_policy="ignore")
+    with pytest.raises(ValueError, match="intra_node"):
+        GradqReduceScatter("qsgd:bits=4", intra_node="bf16")
     comm = GradqReduceScatter("qsgd:bits=4", seed=1)
     comm.load_state_dict({"spec": comm.spec, "seed": 1, "calls": 12})
     assert comm.calls == 12
     with pytest.raises(ValueError, match="checkpoint has spec"):
         comm.load_state_dict({"spec": "qsgd:bits=2", "seed": 1, "calls": 3})
+    with pytest.raises(ValueError, match="differ on"):
+        comm.load_state_dict({**comm.state_dict(), "settings": {**comm.settings(), "min_numel": 5}})
+    with pytest.raises(ValueError, match="residuals"):
+        comm.load_state_dict({**comm.state_dict(), "residuals": {"x": torch.zeros(2)}})

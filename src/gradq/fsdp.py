@@ -2,51 +2,90 @@
 
 FSDP2 does not all-reduce gradients, so a DDP communication hook never runs; it *reduce-scatters*
 them: after each FSDP module's backward it copies the unsharded gradients into one flat buffer of
-``M·S`` values, laid out so that block ``j`` holds rank ``j``'s shards, and asks a reduce-scatter
-to leave in every rank's output the reduction of its own block over the ranks. That is the first phase
-of gradq's scatter protocol (:mod:`gradq.comm.scatter`), so :class:`GradqReduceScatter`, installed
-with ``FSDPModule.set_custom_reduce_scatter``, runs it:
+``M·S`` values, laid out so that block ``j`` holds rank ``j``'s shards (in every block the same
+parameters at the same offsets: each parameter's padded shard, in the module's parameter order), and
+asks a reduce-scatter to leave in every rank's output the reduction of its own block over the ranks.
+That is the first phase of gradq's scatter protocol (:mod:`gradq.comm.scatter`), so
+:class:`GradqReduceScatter`, installed with ``FSDPModule.set_custom_reduce_scatter``, runs it:
 
 1. each rank encodes its ``M`` blocks with the spec (seed ``derive_seed(seed, rank, "rs<call>:<j>")``:
    independent per rank, block and call; ``call`` counts the reduce-scatters so far, equal on every
-   rank because FSDP calls them in the same order);
+   rank because FSDP calls them in the same order). The parameters the policy keeps in full precision
+   travel as raw values of FSDP's reduce dtype inside the same payload; the others are encoded together
+   (or one by one for layer-wise schemes such as TernGrad, whose scaler is per layer);
 2. the packed payloads travel in one ``all_to_all_single`` (sub-byte codes stay packed; a CRC-32
-   trailer per payload on CPU tensors);
+   trailer per payload on CPU tensors; 4 bytes per payload carry the sender's count of non-finite
+   values, so every rank learns the same total without a collective of its own);
 3. each rank decodes the ``M`` payloads of its block and reduces them into FSDP's output as FSDP's
-   ``op`` asks: ``AVG`` the mean (summed left to right, divided once, as the scatter protocol does),
+   ``op`` asks: ``AVG`` the mean (summed in rank order, divided once, as the scatter protocol does),
    ``SUM`` the sum, ``PREMUL_SUM(f)`` ``f`` times the sum. FSDP's pre- and post-divide factors are
    applied by FSDP itself around the call, as for its own reduce-scatter.
 
+Policy (as the DDP hook's, :mod:`gradq.ddp`): a parameter with fewer than ``min_numel`` elements, a
+1-D one under ``keep_1d_fp32``, or one named in ``uncompressed`` (its name in the model given to
+:func:`register`) is sent in full precision. The layout of a module's buffer is read from FSDP's
+parameter group at the first call; if a call's buffer does not match it (a parameter received no
+gradient in that backward), that call compresses the whole buffer and ``policy_fallbacks`` counts it.
+
+Hierarchical layout (``intra_node="fp32"``, as ZeRO++'s hierarchical qgZ): with ``L`` ranks per node
+(``ranks_per_node``, default ``LOCAL_WORLD_SIZE``), the blocks are first reduce-scattered in full
+precision inside each node, so that local rank ``l`` holds its node's sums of the blocks of ranks
+``l, L+l, 2L+l, …``; those ``N = M/L`` node sums are then encoded and exchanged by one all-to-all among
+the ranks of equal local rank (one per node), decoded and summed. Only ``N−1`` compressed payloads per
+rank cross the network instead of ``M−1``, and the fast intra-node links carry the float32 traffic.
+
+Non-finite gradients: a rank encodes zeros in place of NaN/Inf values and counts them; the count
+reaches every rank in the payloads (above). ``nan_policy="raise"`` then raises
+:class:`gradq.NonFiniteError` on every rank in the same call; ``"skip"`` zeroes this call's output and,
+when the backward ends, every gradient of the model, and marks the step ``skipped`` in ``last_stats``
+(check it to skip ``optimizer.step()``).
+
+Error feedback (a spec such as ``ef(qsgd:bits=2)`` or a scheme that has it by default) keeps one
+residual per FSDP module and block: the size of the *unsharded* gradient, in float32, on every rank —
+the memory FSDP exists to save (``residual_bytes``; ``docs/performance.md`` measures it). The unbiased
+schemes (QSGD, TernGrad, MaxNorm…) need none, and are the path to take under FSDP.
+
+Steps: the calls of one backward form a step (closed by a callback at the end of the backward, after
+FSDP's own). ``last_stats`` describes the last step as the DDP hook's does (``bytes_sent``,
+``coords``, ``quantized_coords``, ``bits_per_coord``, ``encode_seconds``, ``comm_seconds``,
+``decode_seconds``, ``skipped``, ``calls``); ``last_call`` the last call; ``totals`` the run.
+Gradient accumulation with ``set_requires_gradient_sync(False)`` works as with stock FSDP2: the
+accumulating backwards make no call and are not steps.
+
 Traffic per rank and call: ``(M−1)`` chunk payloads of ``S`` values, against ``(M−1)·4S`` bytes for
-float32 (``last_stats``, ``totals``).
+float32 (``N−1`` payloads between nodes under ``intra_node="fp32"``, plus the intra-node float32).
 
 :func:`register` (also reached through :func:`gradq.register` with a ``fully_shard`` model) installs
-one instance on every FSDP module of a model. Its :meth:`~GradqReduceScatter.state_dict` (spec,
-seed, the call counter) continues a run's seeds on resume.
-
-Not yet here (the DDP hook has them): per-tensor policies (``min_numel``, 1-D tensors in float32: the
-whole block is compressed), error feedback (its residual would be the size of the unsharded gradient,
-the memory FSDP exists to save), the non-finite policy beyond the quantizer's own error, and a
-hierarchical (intra-node float32) layout.
+one :class:`GradqReduceScatter` on every FSDP module of a model. Its
+:meth:`~GradqReduceScatter.state_dict` (spec, settings, the call counter, residuals) continues a run's
+seeds on resume.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from .errors import PayloadError
+from .errors import NonFiniteError, PayloadError
 from .factory import build
 from .quantizers.base import Quantizer
 from .transforms import ErrorFeedback
 
-__all__ = ["GradqReduceScatter", "register", "is_fsdp2"]
+__all__ = ["GradqReduceScatter", "register", "is_fsdp2", "INTRA_NODE"]
 
-_UNSUPPORTED = ("min_numel", "keep_1d_fp32", "uncompressed", "warmup_steps", "nan_policy", "measure_error",
-                "adaptive", "group_mb", "strategy", "module", "timeout")
+logger = logging.getLogger(__name__)
+
+#: ``intra_node=`` values: ``None`` (one flat compressed exchange) or ``"fp32"`` (full precision inside a node)
+INTRA_NODE = (None, "fp32")
+_NAN_POLICIES = ("raise", "skip")
+_DDP_ONLY = ("warmup_steps", "measure_error", "adaptive", "group_mb", "strategy", "module", "timeout")
+_FLAG = 4   # bytes per payload carrying the sender's count of non-finite values (int32)
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -72,38 +111,207 @@ def _op_kind(op: Any) -> tuple[str, float]:
                      "gradient reductions")
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """One parameter's padded shard inside every block of a module's buffer."""
+    offset: int
+    length: int
+    name: str
+    numel: int     # the parameter's unsharded size
+    dim: int
+
+
+@dataclass
+class _Layout:
+    """A module's block layout (from FSDP's parameter group) and its split into the policy's parts."""
+    key: str
+    segments: list[_Segment]
+    block: int = 0
+    comp: list[tuple[int, int]] = field(default_factory=list)   # compressed (start, stop) in a block
+    full: list[tuple[int, int]] = field(default_factory=list)   # full precision
+
+
+class _Plan:
+    """How one call cuts each block: compressed parts (one, or one per layer) and the full-precision rest."""
+
+    def __init__(self, S: int, comp: list[tuple[int, int]], full: list[tuple[int, int]], layerwise: bool) -> None:
+        self.S = S
+        self.comp, self.full = comp, full
+        self.parts = comp if layerwise else ([(0, sum(b - a for a, b in comp))] if comp else [])
+        self.n_comp = sum(b - a for a, b in comp)
+        self.n_full = sum(b - a for a, b in full)
+        self.whole = comp == [(0, S)]
+        self.fallback = False   # the module's layout did not match the call (the whole buffer compressed)
+
+    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(compressed values, full-precision values)`` of every row of ``rows`` (``K×S``)."""
+        def cat(rs: list[tuple[int, int]]) -> torch.Tensor:
+            if len(rs) == 1:
+                return rows[:, rs[0][0]:rs[0][1]]
+            if not rs:
+                return rows[:, :0]
+            return torch.cat([rows[:, a:b] for a, b in rs], dim=1)
+        return cat(self.comp), cat(self.full)
+
+    def scatter(self, out: torch.Tensor, comp: torch.Tensor, full: torch.Tensor) -> None:
+        """The inverse of :meth:`split` for one row (``out`` of ``S`` values)."""
+        for rs, vals in ((self.comp, comp), (self.full, full)):
+            pos = 0
+            for a, b in rs:
+                out[a:b] = vals[pos:pos + b - a]
+                pos += b - a
+
+
 class GradqReduceScatter:
     """FSDP2's reduce-scatter through gradq's compressed all-to-all (module docstring).
 
     Args:
-        spec: a gradq spec or quantizer (any scheme; error feedback is refused, see the module docstring).
+        spec: a gradq spec or quantizer (any scheme; error feedback keeps unsharded-size residuals).
         seed: base seed, equal on every rank (default 0).
         checksum: a CRC-32 trailer on every payload of CPU tensors, checked on arrival (default True).
+        min_numel: parameters with fewer elements travel in full precision (default 10 000, as the
+            DDP hook's).
+        keep_1d_fp32: 1-D parameters (biases, norm scales) travel in full precision (default True).
+        uncompressed: names of parameters (in the model given to :func:`register`) sent in full precision.
+        nan_policy: ``"raise"`` (default) or ``"skip"`` (module docstring).
+        intra_node: ``None`` (default) or ``"fp32"``: full precision inside a node, compressed between nodes.
+        ranks_per_node: ranks per node for ``intra_node`` (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it).
+        process_group: the group FSDP shards over (default: the world); needed to build the node groups.
 
     Attributes:
-        last_stats: the last call's ``bytes_sent`` (this rank), ``coords`` (its block), ``bits_per_coord``,
-            ``encode_seconds``, ``comm_seconds``, ``decode_seconds``, ``op``.
-        totals: ``calls``, ``bytes_sent``, ``coords`` and the three phase times summed over the run.
+        last_stats: the last step (module docstring); ``last_call``: the last call.
+        totals: ``steps``, ``calls``, ``bytes_sent``, ``intra_node_bytes``, ``coords``, ``quantized_coords``,
+            ``skipped_steps``, ``policy_fallbacks`` and the three phase times summed over the run.
     """
 
-    def __init__(self, spec: str | Quantizer, *, seed: int = 0, checksum: bool = True) -> None:
+    def __init__(self, spec: str | Quantizer, *, seed: int = 0, checksum: bool = True, min_numel: int = 10_000,
+                 keep_1d_fp32: bool = True, uncompressed: Iterable[str] = (), nan_policy: str = "raise",
+                 intra_node: Optional[str] = None, ranks_per_node: Optional[int] = None,
+                 process_group: Any = None) -> None:
         self.quantizer: Quantizer = build(spec)
-        if isinstance(self.quantizer, ErrorFeedback):
-            raise ValueError("GradqReduceScatter: error feedback under FSDP2 would keep a residual the size of the "
-                             "unsharded gradient on every rank; use an unbiased scheme (qsgd, terngrad, maxnorm…)")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be a non-negative int under FSDP2 (no 'auto'), got {min_numel!r}")
+        if isinstance(uncompressed, str):
+            raise TypeError("uncompressed must be an iterable of parameter names, not one string")
+        if nan_policy not in _NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {_NAN_POLICIES}, got {nan_policy!r}")
+        if intra_node not in INTRA_NODE:
+            raise ValueError(f"intra_node must be one of {INTRA_NODE}, got {intra_node!r}")
         self.seed = seed
         self.checksum = bool(checksum)
+        self.min_numel = min_numel
+        self.keep_1d_fp32 = bool(keep_1d_fp32)
+        self.uncompressed = frozenset(str(n) for n in uncompressed)
+        self.nan_policy = nan_policy
+        self.intra_node = intra_node
+        self.ranks_per_node = 1
+        self._local_group: Any = None
+        self._cross_group: Any = None
+        self._group = process_group
+        if intra_node is not None:
+            self._build_node_groups(ranks_per_node, process_group)
         self.calls = 0
+        self.steps = 0
         self.last_stats: dict[str, Any] = {}
-        self.totals: dict[str, float] = {"calls": 0, "bytes_sent": 0, "coords": 0, "encode_seconds": 0.0,
-                                         "comm_seconds": 0.0, "decode_seconds": 0.0}
+        self.last_call: dict[str, Any] = {}
+        self.totals: dict[str, float] = {"steps": 0, "calls": 0, "bytes_sent": 0, "intra_node_bytes": 0,
+                                         "coords": 0, "quantized_coords": 0, "skipped_steps": 0,
+                                         "policy_fallbacks": 0, "encode_seconds": 0.0, "comm_seconds": 0.0,
+                                         "decode_seconds": 0.0}
         self._checked = False
+        self._step: Optional[dict[str, Any]] = None
+        self._model: Optional[torch.nn.Module] = None
+        self._plans: dict[tuple[str, int], _Plan] = {}
+        if isinstance(self.quantizer, ErrorFeedback):
+            logger.info("GradqReduceScatter: %s keeps an error-feedback residual the size of each FSDP module's "
+                        "unsharded gradient on every rank (residual_bytes)", self.spec)
 
+    # -- settings ----------------------------------------------------------------------------------
     @property
     def spec(self) -> str:
         return self.quantizer.spec
+
+    def settings(self) -> dict[str, Any]:
+        """What every rank must agree on (checked at the first call, and on resume)."""
+        return {"spec": self.spec, "seed": self.seed, "checksum": self.checksum, "min_numel": self.min_numel,
+                "keep_1d_fp32": self.keep_1d_fp32, "uncompressed": sorted(self.uncompressed),
+                "nan_policy": self.nan_policy, "intra_node": self.intra_node, "ranks_per_node": self.ranks_per_node}
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes held by error-feedback residuals on this rank (0 without error feedback)."""
+        q = self.quantizer
+        if not isinstance(q, ErrorFeedback):
+            return 0
+        return sum(r.numel() * r.element_size() for r in q.residuals.values())
+
+    def _build_node_groups(self, ranks_per_node: Optional[int], group: Any) -> None:
+        """The node groups and the cross-node groups (a collective: every rank calls it alike)."""
+        if not dist.is_initialized():
+            raise RuntimeError("GradqReduceScatter(intra_node=...) needs torch.distributed initialized first")
+        if ranks_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                raise ValueError("intra_node='fp32' needs ranks_per_node= (LOCAL_WORLD_SIZE is not set)")
+            ranks_per_node = int(env)
+        world = dist.get_world_size(group)
+        L = int(ranks_per_node)
+        if L < 1 or world % L:
+            raise ValueError(f"ranks_per_node={L} does not divide the {world} ranks into equal nodes")
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        me = dist.get_rank()
+        self.ranks_per_node = L
+        for n in range(world // L):   # every rank creates every group, in the same order
+            g = dist.new_group(ranks[n * L:(n + 1) * L])
+            if me in ranks[n * L:(n + 1) * L]:
+                self._local_group = g
+        for lr in range(L):
+            g = dist.new_group(ranks[lr::L])
+            if me in ranks[lr::L]:
+                self._cross_group = g
+
+    # -- the module layouts ------------------------------------------------------------------------
+    def _layout_of(self, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> Optional[_Layout]:
+        state = getattr(module, "_get_fsdp_state", lambda: None)()
+        pg = getattr(state, "_fsdp_param_group", None)
+        if pg is None:
+            return None
+        segs, off = [], 0
+        for fp in pg.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue
+            length = int(fp.padded_sharded_param_size.numel())
+            size = fp._orig_size
+            segs.append(_Segment(off, length, names.get(id(fp.sharded_param), fp._module_info.param_name),
+                                 int(size.numel()), len(size)))
+            off += length
+        lay = _Layout(key, segs, off)
+        for s in segs:
+            keep = (s.numel < self.min_numel or s.name in self.uncompressed or (self.keep_1d_fp32 and s.dim <= 1))
+            rs = lay.full if keep else lay.comp
+            if rs and rs[-1][1] == s.offset:
+                rs[-1] = (rs[-1][0], s.offset + s.length)
+            else:
+                rs.append((s.offset, s.offset + s.length))
+        return lay
+
+    def _plan(self, S: int, layout: Optional[_Layout]) -> _Plan:
+        key = ("" if layout is None else layout.key, S)
+        plan = self._plans.get(key)
+        if plan is None:
+            if layout is not None and layout.block == S:
+                plan = _Plan(S, layout.comp, layout.full, bool(getattr(self.quantizer, "layerwise", False)))
+            else:
+                if layout is not None:
+                    logger.warning("GradqReduceScatter: module %r reduced %d values per rank, its parameters make "
+                                   "%d (a parameter without gradient?); compressing the whole buffer",
+                                   layout.key, S, layout.block)
+                plan = _Plan(S, [(0, S)] if S else [], [], False)
+                plan.fallback = layout is not None
+            self._plans[key] = plan
+        return plan
 
     # -- FSDP2's ReduceScatter protocol ------------------------------------------------------------
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -112,9 +320,12 @@ class GradqReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
-        from .comm import derive_seed
-        from .comm._util import check_inputs, seal_bytes, sealed_payload, unseal
-        from .comm.scatter import _exchange
+        self.reduce_scatter(output_tensor, input_tensor, group, op)
+
+    def reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                       layout: Optional[_Layout] = None) -> None:
+        """One call (what FSDP's ``__call__`` does), with the module's ``layout`` when known."""
+        from .comm._util import check_inputs
 
         kind, factor = _op_kind(op)
         world, rank = group.size(), group.rank()
@@ -122,83 +333,271 @@ class GradqReduceScatter:
         if n % world or output_tensor.numel() != n // world:
             raise ValueError(f"GradqReduceScatter: input of {n} values does not split into {world} blocks of "
                              f"the output's {output_tensor.numel()}")
-        if not self._checked:   # once: the same spec, seed and call count on every rank
+        if not self._checked:   # once: the same spec, settings and call count on every rank
+            import zlib
+
+            st = repr(sorted(self.settings().items())).encode()
             check_inputs("GradqReduceScatter", input_tensor, self.quantizer, group,
-                         [self.seed & 0x7FFFFFFF, self.calls, int(self.checksum)])
+                         [zlib.crc32(st), self.calls, world])
+            if self.intra_node is not None and self._local_group is not None:
+                if world != self._local_group.size() * self._cross_group.size():
+                    raise ValueError(f"GradqReduceScatter: FSDP reduces over {world} ranks, the node groups were "
+                                     f"built for {self._local_group.size() * self._cross_group.size()}")
             self._checked = True
+        self._begin_call()
         S = n // world
-        q = self.quantizer
-        blocks = input_tensor.detach().reshape(world, S).to(torch.float32)
-        trailer = seal_bytes(input_tensor.device, self.checksum)
+        plan = self._plan(S, layout)
+        key = "rs" if layout is None else layout.key
+        rows = input_tensor.detach().reshape(world, S)
         t0 = time.perf_counter()
-        bufs = [sealed_payload(q.encode(blocks[j], seed=derive_seed(self.seed, rank, f"rs{self.calls}:{j}")), trailer)
-                for j in range(world)]
+        mine = bad = int((~torch.isfinite(rows)).sum()) if rows.numel() else 0
+        if bad:
+            rows = torch.where(torch.isfinite(rows), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        intra_bytes = 0
+        if self.intra_node is not None and self._local_group is not None:
+            rows, bad, intra_bytes = self._intra_node_sum(rows, bad)
+            ex_group = self._cross_group
+            owners = [j * self.ranks_per_node + rank % self.ranks_per_node for j in range(rows.shape[0])]
+        else:
+            ex_group = group
+            owners = list(range(world))
+        total, bad_total, sent, times = self._exchange(rows, plan, ex_group, owners, rank, key, bad, t0)
+        t3 = time.perf_counter()
+        if bad_total and self.nan_policy == "raise":
+            self._end_call(plan, S, sent, intra_bytes, times, t3, skipped=False)
+            self._end_step()
+            what = "ranks" if self.intra_node else "values"
+            raise NonFiniteError(f"GradqReduceScatter: non-finite gradients in FSDP module {key!r} ({what} over the "
+                                 f"ranks: {bad_total}; values on this rank: {mine}); nan_policy='raise'")
+        if bad_total:
+            output_tensor.zero_()
+        elif kind == "avg":
+            output_tensor.copy_(total.div_(world).reshape(output_tensor.shape))
+        else:
+            if factor != 1.0:
+                total.mul_(factor)
+            output_tensor.copy_(total.reshape(output_tensor.shape))
+        self._end_call(plan, S, sent, intra_bytes, times, time.perf_counter(), skipped=bool(bad_total))
+
+    def _intra_node_sum(self, rows: torch.Tensor, bad: int) -> tuple[torch.Tensor, int, int]:
+        """Full precision inside the node: local rank ``l`` gets its node's sums of the blocks of ranks
+        ``l, L+l, …`` (and the node's count of ranks that saw non-finite values). Returns those ``N``
+        rows, the count, and the bytes this rank sent (a ring reduce-scatter's ``(L−1)/L``)."""
+        from .comm._util import collective
+
+        L = self.ranks_per_node
+        N = rows.shape[0] // L
+        S = rows.shape[1]
+        # row l·(N·S+1) … : the blocks of ranks n·L+l for n = 0..N−1, then one flag per local rank
+        send = torch.empty(L, N * S + 1, dtype=rows.dtype, device=rows.device)
+        send[:, :-1].view(L, N, S).copy_(rows.view(N, L, S).transpose(0, 1))
+        send[:, -1] = 1.0 if bad else 0.0
+        recv = torch.empty(N * S + 1, dtype=rows.dtype, device=rows.device)
+        collective("the intra-node reduce-scatter", dist.reduce_scatter_tensor, recv, send.reshape(-1),
+                   group=self._local_group)
+        sent = (L - 1) * (N * S + 1) * rows.element_size()
+        return recv[:-1].view(N, S), int(round(float(recv[-1]))), sent
+
+    def _exchange(self, rows: torch.Tensor, plan: _Plan, group: Any, owners: list[int], rank: int, key: str,
+                  bad: int, t0: float) -> tuple[torch.Tensor, int, int, tuple[float, float, float]]:
+        """Encode row ``j`` for ``owners[j]``, one all-to-all over ``group``, decode and sum this rank's rows.
+        Returns ``(sum, non-finite count over the senders, bytes sent, (t0, t1, t2))``."""
+        from .comm import derive_seed
+        from .comm._util import seal, seal_bytes, unseal
+        from .comm.scatter import _exchange
+
+        q = self.quantizer
+        K, S = rows.shape
+        me = group.rank()
+        trailer = seal_bytes(rows.device, self.checksum)
+        comp, full = plan.split(rows)
+        comp = comp.to(torch.float32)
+        full = full.contiguous()
+        raw = full.element_size() * plan.n_full
+        fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
+        variable = any(f is None for f in fixed_parts)
+        head = 4 * len(plan.parts) if variable else 0
+        bufs = []
+        for j in range(K):
+            tag = f"rs{self.calls}:{owners[j]}"
+            payloads = []
+            for i, (a, b) in enumerate(plan.parts):
+                pk = tag if len(plan.parts) == 1 else f"{tag}:{i}"
+                ss = derive_seed(self.seed, None, pk) if q.needs_shared_seed else None
+                payloads.append(q.encode(comp[j, a:b], seed=derive_seed(self.seed, rank, pk), shared_seed=ss,
+                                         name=f"{key}:{owners[j]}:{i}"))
+            size = head + sum(p.nbytes for p in payloads) + raw + _FLAG + trailer
+            buf = torch.empty(size, dtype=torch.uint8, device=rows.device)
+            pos = head
+            if variable:
+                buf[:head].view(torch.int32).copy_(torch.tensor([p.nbytes for p in payloads], dtype=torch.int32))
+            for p in payloads:
+                p.to_bytes(out=buf[pos:pos + p.nbytes])
+                pos += p.nbytes
+            if raw:
+                buf[pos:pos + raw].copy_(full[j].view(torch.uint8))
+                pos += raw
+            buf[pos:pos + _FLAG].copy_(torch.tensor([min(bad, 2 ** 31 - 1)], dtype=torch.int32).view(torch.uint8))
+            seal(buf, trailer)
+            bufs.append(buf)
         sizes = [b.numel() for b in bufs]
-        fixed = q.expected_nbytes(S)
+        fixed = None if variable else head + sum(fixed_parts) + raw + _FLAG + trailer  # type: ignore[arg-type]
         t1 = time.perf_counter()
-        recv, recv_sizes = _exchange(torch.cat(bufs), sizes, None if fixed is None else fixed + trailer, group)
+        recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, group)
         t2 = time.perf_counter()
-        total: Optional[torch.Tensor] = None
-        parts = torch.split(recv, recv_sizes)
-        for i, buf in enumerate(parts):
+        total = torch.zeros(S, dtype=torch.float32, device=rows.device)
+        row = torch.empty(S, dtype=torch.float32, device=rows.device) if not plan.whole else None
+        bad_total = 0
+        for i, buf in enumerate(torch.split(recv, recv_sizes)):
             body, intact = unseal(buf, trailer)
             if not intact:
-                raise PayloadError(f"GradqReduceScatter: the payload from rank {i} failed its checksum")
-            d = q.decode(q.payload_from_bytes(body, (S,), torch.float32, copy=False))
-            total = d.clone() if total is None else total.add_(d)
-        assert total is not None
-        if kind == "avg":
-            total.div_(world)
-        elif factor != 1.0:
-            total.mul_(factor)
-        output_tensor.copy_(total.reshape(output_tensor.shape))
-        t3 = time.perf_counter()
-        sent = sum(s for j, s in enumerate(sizes) if j != rank)
-        self.last_stats = {"call": self.calls, "bytes_sent": sent, "coords": S, "op": kind,
-                           "bits_per_coord": 8.0 * sent / ((world - 1) * S) if S and world > 1 else 0.0,
-                           "encode_seconds": t1 - t0, "comm_seconds": t2 - t1, "decode_seconds": t3 - t2}
-        tot = self.totals
-        tot["calls"] += 1
-        tot["bytes_sent"] += sent
-        tot["coords"] += S
-        tot["encode_seconds"] += t1 - t0
-        tot["comm_seconds"] += t2 - t1
-        tot["decode_seconds"] += t3 - t2
+                raise PayloadError(f"GradqReduceScatter: the payload from rank {i} of module {key!r} failed its "
+                                   "checksum")
+            # (a received payload may start at any byte: views of wider types go through a copy)
+            lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
+            pos = head
+            dec = []
+            for (a, b), ln in zip(plan.parts, lens):
+                dec.append(q.decode(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False)))
+                pos += ln
+            vals = torch.cat(dec) if len(dec) > 1 else (dec[0] if dec else total[:0])
+            fvals = body[pos:pos + raw].clone().view(full.dtype).to(torch.float32)
+            bad_total += int(body[pos + raw:pos + raw + _FLAG].clone().view(torch.int32).item())
+            if row is None:
+                total.add_(vals)
+            else:
+                plan.scatter(row, vals, fvals)
+                total.add_(row)
+        sent = sum(s for j, s in enumerate(sizes) if j != me)
+        return total, bad_total, sent, (t0, t1, t2)
+
+    # -- steps and statistics ----------------------------------------------------------------------
+    def _begin_call(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._step is not None:
+            if self._step["task"] == task:
+                return
+            self._end_step()   # a backward that ended without our callback (it raised)
+        self._step = {"step": self.steps, "calls": 0, "bytes_sent": 0, "intra_node_bytes": 0, "coords": 0,
+                      "quantized_coords": 0, "encode_seconds": 0.0, "comm_seconds": 0.0, "decode_seconds": 0.0,
+                      "skipped": False, "policy_fallbacks": 0}
+        self._step["task"] = task
+        self._step["in_backward"] = task != -1
+        if self._step["in_backward"]:   # runs after FSDP's own end-of-backward callback (queued earlier)
+            from torch.autograd import Variable
+
+            Variable._execution_engine.queue_callback(self._end_step)
+
+    def _end_call(self, plan: _Plan, S: int, sent: int, intra: int, times: tuple[float, float, float], t3: float,
+                  skipped: bool) -> None:
+        t0, t1, t2 = times
+        call = {"call": self.calls, "bytes_sent": sent, "intra_node_bytes": intra, "coords": S,
+                "quantized_coords": plan.n_comp, "encode_seconds": t1 - t0, "comm_seconds": t2 - t1,
+                "decode_seconds": t3 - t2, "skipped": skipped,
+                "policy_fallbacks": int(plan.fallback)}
+        self.last_call = call
+        step = self._step
+        assert step is not None
+        for k in ("bytes_sent", "intra_node_bytes", "coords", "quantized_coords", "encode_seconds", "comm_seconds",
+                  "decode_seconds", "policy_fallbacks"):
+            step[k] += call[k]
+        step["calls"] += 1
+        step["skipped"] = step["skipped"] or skipped
         self.calls += 1
-        return None
+        if not step["in_backward"]:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        step.pop("in_backward", None)
+        step.pop("task", None)
+        if step["skipped"] and self._model is not None:
+            for p in self._model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+        peers = max(1, (self._cross_group.size() if self._cross_group is not None else
+                        dist.get_world_size(self._group)) - 1) if dist.is_initialized() else 1
+        step["bits_per_coord"] = 8.0 * step["bytes_sent"] / (peers * step["coords"]) if step["coords"] else 0.0
+        step["residual_bytes"] = self.residual_bytes
+        self.last_stats = step
+        tot = self.totals
+        for k in ("bytes_sent", "intra_node_bytes", "coords", "quantized_coords", "encode_seconds", "comm_seconds",
+                  "decode_seconds", "policy_fallbacks", "calls"):
+            tot[k] += step[k]
+        tot["steps"] += 1
+        tot["skipped_steps"] += int(step["skipped"])
+        self.steps += 1
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Spec, seed and the call counter (the seeds of the next calls)."""
-        return {"spec": self.spec, "seed": self.seed, "calls": self.calls}
+        """Settings, the call and step counters (the seeds of the next calls) and this rank's
+        error-feedback residuals (per rank: save one per rank)."""
+        q = self.quantizer
+        return {"spec": self.spec, "seed": self.seed, "calls": self.calls, "steps": self.steps,
+                "settings": self.settings(),
+                "residuals": q.state_dict()["residuals"] if isinstance(q, ErrorFeedback) else {}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; the spec and seed must match."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; the spec, seed and settings must match."""
         if state.get("spec") != self.spec or state.get("seed") != self.seed:
             raise ValueError(f"GradqReduceScatter.load_state_dict: checkpoint has spec {state.get('spec')!r}, seed "
                              f"{state.get('seed')!r}; this one {self.spec!r}, {self.seed!r}")
+        saved = state.get("settings")
+        if saved is not None and dict(saved) != self.settings():
+            diff = sorted(k for k in set(saved) | set(self.settings()) if saved.get(k) != self.settings().get(k))
+            raise ValueError(f"GradqReduceScatter.load_state_dict: checkpoint settings differ on {diff}")
+        residuals = state.get("residuals") or {}
+        if isinstance(self.quantizer, ErrorFeedback):
+            self.quantizer.load_state_dict({"spec": self.spec, "residuals": residuals})
+        elif residuals:
+            raise ValueError("checkpoint holds error-feedback residuals but this spec has no error feedback")
         self.calls = int(state["calls"])
+        self.steps = int(state.get("steps", 0))
         self._checked = False
+        self._step = None
+
+
+class _ModuleReduceScatter:
+    """What one FSDP module holds: the shared :class:`GradqReduceScatter` and the module's layout."""
+
+    def __init__(self, core: GradqReduceScatter, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> None:
+        self.core, self.module, self.key, self._names = core, module, key, names
+        self._layout: Optional[_Layout] = None
+        self._read = False
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.core.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        if not self._read:   # FSDP's parameter group exists once the module has run lazily-initialized
+            self._layout = self.core._layout_of(self.module, self.key, self._names)
+            self._read = True
+        self.core.reduce_scatter(output_tensor, input_tensor, group, op, layout=self._layout)
 
 
 def register(model: torch.nn.Module, spec: str | Quantizer, **kw: Any) -> GradqReduceScatter:
-    """Install one :class:`GradqReduceScatter` on every FSDP module of ``model`` (sharded with
-    ``fully_shard``); ``kw``: ``seed``, ``checksum``. Returns it (``last_stats``, ``totals``,
-    ``state_dict``).
+    """Install gradq's reduce-scatter on every FSDP module of ``model`` (sharded with ``fully_shard``).
+
+    ``kw``: :class:`GradqReduceScatter`'s keyword arguments. Returns the shared instance
+    (``last_stats``, ``totals``, ``state_dict``).
 
     Raises:
-        TypeError: ``model`` is not an FSDP2 module, or a DDP-hook option not supported here yet.
+        TypeError: ``model`` is not an FSDP2 module, or an option of the DDP hook that FSDP2 has no use for.
     """
     from torch.distributed.fsdp import FSDPModule
 
     if not is_fsdp2(model):
         raise TypeError(f"gradq.fsdp.register needs a model sharded with fully_shard, got {type(model).__name__}")
-    bad = sorted(k for k in kw if k in _UNSUPPORTED or k not in ("seed", "checksum", "process_group"))
+    bad = sorted(k for k in kw if k in _DDP_ONLY)
     if bad:
-        raise TypeError(f"gradq.register on an FSDP2 model does not support {bad} yet (see gradq.fsdp)")
-    kw.pop("process_group", None)   # FSDP passes its own group to every call
+        raise TypeError(f"gradq.register on an FSDP2 model does not take {bad} (DDP-hook options; see gradq.fsdp)")
     comm = GradqReduceScatter(spec, **kw)
-    for m in model.modules():
+    comm._model = model
+    names = {id(p): n for n, p in model.named_parameters()}
+    for key, m in model.named_modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_reduce_scatter(comm)
+            m.set_custom_reduce_scatter(_ModuleReduceScatter(comm, m, key or "<root>", names))  # type: ignore[arg-type]
     return comm
