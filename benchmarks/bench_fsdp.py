@@ -1,11 +1,16 @@
 """FSDP2 with gradq's compressed reduce-scatter against stock FSDP2: time of the gradient
 reduce-scatter phase, of a whole step, and test accuracy against time.
 
-    python benchmarks/bench_fsdp.py [--network 1gbit] [--world 4] [--epochs 2]
+    python benchmarks/bench_fsdp.py [--network 1gbit] [--world 4] [--epochs 2] [--ranks-per-node 2]
+                                    [--specs SPEC ...] [--hierarchical SPEC ...]
 
 Each rank runs every case one after another on the same data: stock FSDP2 (its own reduce-scatter,
-timed through a wrapper that only calls it) and ``gradq.register(model, spec)`` for 2-, 4- and 8-bit
-QSGD (bucket 512). The model is the wide MLP (784-2048-2048-10 on 28×28 inputs, 5.8M parameters;
+timed through a wrapper that only calls it) and ``gradq.register(model, spec)`` for each of ``--specs``
+(default 2-, 4- and 8-bit QSGD, bucket 512), then each of ``--hierarchical`` with
+``intra_node="fp32"``. With ``--ranks-per-node L`` the emulated network has hosts of ``L`` ranks (they
+talk over the host's loopback and share its link), as nodes of several GPUs. The ``residual MB``
+column is what error feedback holds per rank (a spec with ``ef``), against the sharded parameters'
+float32 bytes. The model is the wide MLP (784-2048-2048-10 on 28×28 inputs, 5.8M parameters;
 the digits are upsampled to 28×28 when the shared MNIST is absent, so the size matches), every
 Linear and the root sharded with ``fully_shard``. Medians over the steps after the first epoch's first
 5; ratios are to stock FSDP2 in the same run. With ``--network RATE`` (root) each rank gets its own
@@ -59,7 +64,8 @@ def _data(rank: int, world: int):
     return x_tr, ds.y_train, x_te, ds.y_test
 
 
-def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: int, world: int) -> dict[str, Any]:
+def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: int, world: int,
+          **kw: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import gradq
@@ -78,7 +84,7 @@ def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: i
                 m.set_custom_reduce_scatter(comm)
         rs_seconds = lambda: comm.seconds  # noqa: E731
     else:
-        comm = gradq.register(model, spec, seed=0)
+        comm = gradq.register(model, spec, seed=0, **kw)
         rs_seconds = lambda: sum(comm.totals[k] for k in ("encode_seconds", "comm_seconds", "decode_seconds"))  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     per = x_tr.shape[0] // (world * batch)
@@ -103,8 +109,10 @@ def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: i
     warm = 5
     out = {"case": name, "step_ms": 1e3 * statistics.median(steps[warm:]), "rs_ms": 1e3 * statistics.median(rs[warm:]),
            "curve": curve, "steps": len(steps)}
+    out["param_mb"] = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2 ** 20
     if spec is not None:
         out["bits_per_coord"] = comm.last_stats.get("bits_per_coord")
+        out["residual_mb"] = comm.residual_bytes / 2 ** 20
     return out
 
 
@@ -117,7 +125,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     data = _data(rank, world)
     rows = [_case("fp32 FSDP2", None, data, args.epochs, args.batch_size, rank, world)]
-    rows += [_case(s, s, data, args.epochs, args.batch_size, rank, world) for s in SPECS]
+    rows += [_case(s, s, data, args.epochs, args.batch_size, rank, world) for s in args.specs]
+    rows += [_case(f"{s}, intra_node=fp32", s, data, args.epochs, args.batch_size, rank, world, intra_node="fp32",
+                   ranks_per_node=args.ranks_per_node) for s in args.hierarchical]
     if rank == 0:
         with open(args.results, "w") as f:
             json.dump(rows, f)
@@ -131,6 +141,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="emulated hosts of this many ranks (default 1)")
+    ap.add_argument("--specs", nargs="*", default=SPECS, help="gradq specs, flat exchange (default: QSGD 2/4/8 bits)")
+    ap.add_argument("--hierarchical", nargs="*", default=[], help="gradq specs with intra_node='fp32'")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -142,8 +155,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, HERE, "--worker", "--results", res, "--epochs", str(args.epochs),
-               "--batch-size", str(args.batch_size)]
-        why = launch_on([cmd] * args.world, args.network, timeout=args.timeout)
+               "--batch-size", str(args.batch_size), "--specs", *args.specs, "--hierarchical", *args.hierarchical]
+        if args.world % args.ranks_per_node:
+            ap.error(f"--ranks-per-node {args.ranks_per_node} does not divide --world {args.world}")
+        if args.hierarchical and args.ranks_per_node == 1:
+            ap.error("--hierarchical needs --ranks-per-node (the ranks of one node)")
+        cmd += ["--ranks-per-node", str(args.ranks_per_node)]
+        why = launch_on([cmd] * args.world, args.network, timeout=args.timeout, ranks_per_host=args.ranks_per_node)
         if why is not None:
             print(f"bench_fsdp: cannot emulate {args.network}: {why}; nothing measured")
             return 0
@@ -151,15 +169,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows = json.load(f)
     base = rows[0]
     where = f"emulated {args.network}" if args.network else "loopback"
+    if args.ranks_per_node > 1:
+        where += f", {args.world // args.ranks_per_node} hosts of {args.ranks_per_node} ranks"
     print(f"\n### FSDP2, {args.world} gloo ranks on {where}, wide MLP (5.8M parameters), batch {args.batch_size} per rank, "
           f"{args.epochs} epochs ({base['steps']} steps)\n")
-    print("| case | bits/coord | reduce-scatter ms (median) | × fp32 | step ms (median) | × fp32 | test accuracy | training s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| case | bits/coord | reduce-scatter ms (median) | × fp32 | step ms (median) | × fp32 | test accuracy | "
+          "training s | residual MB (params MB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         bits = r.get("bits_per_coord")
         print(f"| {r['case']} | {'32' if bits is None else f'{bits:.2f}'} | {r['rs_ms']:.1f} | "
               f"{base['rs_ms'] / r['rs_ms']:.2f} | {r['step_ms']:.1f} | {base['step_ms'] / r['step_ms']:.2f} | "
-              f"{r['curve'][-1][1]:.3f} | {r['curve'][-1][0]:.1f} |")
+              f"{r['curve'][-1][1]:.3f} | {r['curve'][-1][0]:.1f} | {r.get('residual_mb', 0.0):.1f} "
+              f"({r['param_mb']:.1f}) |")
     print("\naccuracy after each epoch (seconds of training, accuracy):")
     for r in rows:
         print(f"- {r['case']}: " + ", ".join(f"{w:.1f} s {a:.3f}" for w, a in r["curve"]))

@@ -112,6 +112,47 @@ def _hook_child(rank: int, world: int, tmp: str) -> None:
         json.dump(out, f)
 
 
+def _fsdp_child(rank: int, world: int, tmp: str) -> None:
+    """FSDP2 on CUDA tensors: spec "none" against stock FSDP2, 4-bit flat and 2x2 hierarchical steps."""
+    import gradq
+    from gradq_testing import teardown
+    from torch.distributed.fsdp import fully_shard
+
+    _init(tmp, rank, world)
+    out: dict = {}
+    dev = torch.device("cuda", 0)
+
+    def run(spec, **kw):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(dev)
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        fully_shard(m)
+        comm = None if spec is None else gradq.register(m, spec, seed=1, min_numel=1000, **kw)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x, y = torch.randn(16, 64, generator=g).to(dev), torch.randint(0, 10, (16,), generator=g).to(dev)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()]), comm
+
+    try:
+        stock, _ = run(None)
+        none, _ = run("none")
+        q4, comm = run("qsgd:bits=4,bucket=512")
+        hier, hc = run("qsgd:bits=4,bucket=512", intra_node="fp32", ranks_per_node=2)
+        out = {"device": str(q4.device), "none_rel": float((none - stock).norm() / stock.norm()),
+               "finite": bool(torch.isfinite(q4).all() and torch.isfinite(hier).all()),
+               "steps": [comm.totals["steps"], hc.totals["steps"]], "bits": comm.last_stats["bits_per_coord"],
+               "intra": hc.totals["intra_node_bytes"]}
+    finally:
+        teardown()
+    with open(f"{tmp}/fsdp{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
 def _run(fn, tmp, world: int = WORLD) -> list[dict]:
     mp.spawn(fn, args=(world, str(tmp)), nprocs=world, join=True)
     name = fn.__name__.strip("_").replace("_child", "")
@@ -141,6 +182,13 @@ def test_hook_on_cuda_tensors_keeps_replicas_identical(tmp_path):
             assert v["groups"] >= 2, v          # several groups: jobs started before the last bucket
             assert v["encode"] > 0, v            # timed with CUDA events
         assert r["skip"] == {"skipped": True, "count": 1, "zero": True}, r["skip"]
+
+
+def test_fsdp2_reduce_scatter_on_cuda_tensors(tmp_path):
+    for r in _run(_fsdp_child, tmp_path):
+        assert r["device"].startswith("cuda") and r["finite"] and r["steps"] == [3, 3], r
+        assert r["none_rel"] < 1e-6, r          # float32 through gradq: stock FSDP2's up to addition order
+        assert 4.0 < r["bits"] < 6.0 and r["intra"] > 0, r
 
 
 def test_runner_on_cuda_gloo_and_nccl_world_one(tmp_path):

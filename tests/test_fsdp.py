@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from typing import Any, Optional
 
@@ -13,6 +16,7 @@ import torch.multiprocessing as mp
 
 import gradq
 from gradq.fsdp import GradqReduceScatter, is_fsdp2
+from gradq.netem import EmulatedNetwork, can_emulate, free_port, launch
 from gradq_testing import init_gloo, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -117,7 +121,14 @@ def _case_policy(rank: int, world: int, tmp: str) -> dict:
     expect_l1 = (world - 1) * (q.expected_nbytes(512 // world) + 4 * (32 // world) + 4 + 4)
     # layer 2 (w2 128 values < min_numel, b2 4 values): all float32
     expect_l2 = (world - 1) * (4 * (128 // world + 4 // world) + 4 + 4)
+    # TernGrad's scaler is per layer: one payload per parameter shard inside each block
+    _, tern, tc = _train("terngrad", 1, rank, **ALL)
+    t = tc.quantizer
+    expect_t = (world - 1) * (t.expected_nbytes(256) + t.expected_nbytes(16) + 8 + t.expected_nbytes(64)
+                              + t.expected_nbytes(2) + 8)
     return {"fp32_exact": [bool(torch.equal(p, torch.zeros_like(p))) for p in parts],
+            "tern_bytes": tc.last_stats["bytes_sent"], "tern_expected": expect_t,
+            "tern_finite": bool(torch.isfinite(tern).all()),
             "bytes": comm.last_stats["bytes_sent"], "expected": expect_l1 + expect_l2,
             "quantized": comm.last_stats["quantized_coords"], "coords": comm.last_stats["coords"]}
 
@@ -295,6 +306,7 @@ def test_policy_keeps_small_and_1d_parameters_in_float32():
     w1, b1, w2, b2 = out["fp32_exact"]
     assert not w1 and b1 and w2 and b2   # the quantized layer differs from stock; the rest is exactly stock's
     assert out["bytes"] == out["expected"]
+    assert out["tern_bytes"] == out["tern_expected"] and out["tern_finite"]
     assert out["quantized"] == 512 // 2 and out["coords"] == (512 + 32 + 128 + 4) // 2
 
 
@@ -344,6 +356,56 @@ def test_four_ranks_flat_and_two_by_two_hierarchical():
     assert out["hier"]["intra"] == (2 - 1) * (2 * 200 + 1) * 4   # float32 ring reduce-scatter inside the node
     h = out["hier_train"]
     assert h["none_err"] < 1e-6 and h["finite"] and h["steps"] == 4 and h["moved"] > 0
+
+
+NODE_SCRIPT = """
+import json, os, sys, torch, torch.distributed as dist
+from gradq.comm import lifecycle
+import gradq
+from torch.distributed.fsdp import fully_shard
+lifecycle.before_init()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+for layer in (m[0], m[2]):
+    fully_shard(layer)
+fully_shard(m)
+comm = gradq.register(m, "qsgd:bits=4,bucket=64", seed=2, min_numel=0, intra_node="fp32")
+opt = torch.optim.SGD(m.parameters(), lr=0.05)
+for t in range(3):
+    g = torch.Generator().manual_seed(10 * t + rank)
+    x = torch.randn(32, 16, generator=g)
+    torch.nn.functional.mse_loss(m(x), x[:, :4]).backward()
+    opt.step(); opt.zero_grad()
+full = torch.cat([p.full_tensor().reshape(-1) for p in m.parameters()])
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"params": full.tolist(), "nodes": comm.ranks_per_node, "stats": comm.totals}, f)
+lifecycle.teardown()
+"""
+
+
+@pytest.mark.skipif(not can_emulate()[0], reason="needs root for network namespaces")
+def test_two_emulated_nodes_of_two_ranks():
+    """4 ranks as 2 emulated hosts of 2 (LOCAL_WORLD_SIZE=2 as torchrun sets it per node): the
+    hierarchical exchange runs across the emulated 1 Gbit/s link and ends exactly where the same
+    job on one loopback host does (the results depend on the seeds, not on the network)."""
+    tmp = tempfile.mkdtemp()
+    with EmulatedNetwork(4, "1gbit", ranks_per_host=2) as net:
+        launch([[sys.executable, "-c", NODE_SCRIPT, f"{tmp}/net.json"]] * 4, net=net, timeout=240)
+    port = str(free_port())   # the same 4 ranks on loopback, told they are 2 nodes of 2
+    procs = [subprocess.Popen([sys.executable, "-c", NODE_SCRIPT, f"{tmp}/lo.json"],
+                              env=dict(os.environ, LOCAL_WORLD_SIZE="2", RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))
+             for r in range(4)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0, 0, 0]
+    with open(f"{tmp}/net.json") as f:
+        a = json.load(f)
+    with open(f"{tmp}/lo.json") as f:
+        b = json.load(f)
+    assert a["nodes"] == 2 and a["params"] == b["params"]
+    assert a["stats"]["intra_node_bytes"] > 0 and a["stats"]["bytes_sent"] > 0
 
 
 def test_register_refuses_what_it_cannot_do():

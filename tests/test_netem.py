@@ -87,6 +87,14 @@ def test_two_emulated_hosts_reach_each_other_and_are_removed():
     assert net.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
 
+def test_hosts_of_several_ranks():
+    net = EmulatedNetwork(4, "1gbit", tag=19, ranks_per_host=2)
+    assert len(net.namespaces) == len(net.addrs) == 2 and [net.host_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert net.prefix(3)[-1] == net.namespaces[1]
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        EmulatedNetwork(4, ranks_per_host=3)
+
+
 def test_without_root_it_says_why(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     ok, why = can_emulate()

@@ -125,6 +125,9 @@ def _add_train_args(c: argparse.ArgumentParser, demo: bool) -> None:
                        help="seconds a collective may wait for the other ranks before the run fails with an "
                             "error naming the step (default 300: a dead rank is noticed at once, a stalled "
                             "one after this)")
+        c.add_argument("--fsdp", action="store_true",
+                       help="shard the model with FSDP2 (fully_shard) instead of DDP: fp32 is stock FSDP2, a gradq "
+                            "spec gets gradq's compressed reduce-scatter (gradq.fsdp)")
         c.add_argument("--target", type=float, default=None,
                        help="test accuracy (fraction) for the time-to-target column")
         c.add_argument("--force", action="store_true", help="overwrite run directories that hold other runs")
@@ -181,7 +184,7 @@ def _configs(args: argparse.Namespace, compressors: Sequence[str], **fixed: Any)
         raise GradqError("--seeds names no seed")
     keys = ("model", "data", "epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "schedule",
             "warmup_epochs", "measure_error", "strategy", "min_numel", "hook_warmup_steps", "adaptive", "uncompressed",
-            "backend", "log_every", "workers", "network", "comm_timeout", "tensorboard")
+            "backend", "log_every", "workers", "network", "comm_timeout", "tensorboard", "fsdp")
     base = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     base.update(fixed)
     return [TrainConfig(compressor=c, seed=s, **base) for c in compressors for s in seeds]

@@ -532,7 +532,9 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str | Q
     ``kw`` are :class:`GradqState`'s keyword arguments (``process_group`` defaults to the DDP model's).
 
     A model sharded with FSDP2's ``fully_shard`` gets gradq's compressed reduce-scatter instead
-    (:func:`gradq.fsdp.register`, which returns a :class:`gradq.fsdp.GradqReduceScatter`)."""
+    (:func:`gradq.fsdp.register`, which returns a :class:`gradq.fsdp.GradqReduceScatter`; ``kw`` are
+    its keyword arguments: ``seed``, ``min_numel``, ``keep_1d_fp32``, ``uncompressed``, ``nan_policy``,
+    ``intra_node``, ``ranks_per_node``, ``checksum``)."""
     from .fsdp import is_fsdp2
 
     if is_fsdp2(ddp_model):

@@ -88,6 +88,12 @@ _DDP_ONLY = ("warmup_steps", "measure_error", "adaptive", "group_mb", "strategy"
 _FLAG = 4   # bytes per payload carrying the sender's count of non-finite values (int32)
 
 
+def _reduce_scatter_single() -> Any:
+    """torch.distributed's one-tensor reduce-scatter (``reduce_scatter_single`` from torch 2.13, before
+    that ``reduce_scatter_tensor``)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def is_fsdp2(model: Any) -> bool:
     """Whether ``model`` was sharded with FSDP2's ``fully_shard``."""
     try:
@@ -129,16 +135,24 @@ class _Layout:
     block: int = 0
     comp: list[tuple[int, int]] = field(default_factory=list)   # compressed (start, stop) in a block
     full: list[tuple[int, int]] = field(default_factory=list)   # full precision
+    comp_lengths: list[int] = field(default_factory=list)        # each compressed parameter's shard, in order
 
 
 class _Plan:
     """How one call cuts each block: compressed parts (one, or one per layer) and the full-precision rest."""
 
-    def __init__(self, S: int, comp: list[tuple[int, int]], full: list[tuple[int, int]], layerwise: bool) -> None:
+    def __init__(self, S: int, comp: list[tuple[int, int]], full: list[tuple[int, int]],
+                 lengths: Optional[list[int]] = None) -> None:
         self.S = S
         self.comp, self.full = comp, full
-        self.parts = comp if layerwise else ([(0, sum(b - a for a, b in comp))] if comp else [])
         self.n_comp = sum(b - a for a, b in comp)
+        # (start, stop) in the concatenated compressed values: one part, or one per parameter (``lengths``)
+        self.parts: list[tuple[int, int]] = [(0, self.n_comp)] if self.n_comp else []
+        if lengths:
+            bounds = [0]
+            for n in lengths:
+                bounds.append(bounds[-1] + n)
+            self.parts = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
         self.n_full = sum(b - a for a, b in full)
         self.whole = comp == [(0, S)]
         self.fallback = False   # the module's layout did not match the call (the whole buffer compressed)
@@ -291,6 +305,8 @@ class GradqReduceScatter:
         for s in segs:
             keep = (s.numel < self.min_numel or s.name in self.uncompressed or (self.keep_1d_fp32 and s.dim <= 1))
             rs = lay.full if keep else lay.comp
+            if not keep:
+                lay.comp_lengths.append(s.length)
             if rs and rs[-1][1] == s.offset:
                 rs[-1] = (rs[-1][0], s.offset + s.length)
             else:
@@ -302,13 +318,14 @@ class GradqReduceScatter:
         plan = self._plans.get(key)
         if plan is None:
             if layout is not None and layout.block == S:
-                plan = _Plan(S, layout.comp, layout.full, bool(getattr(self.quantizer, "layerwise", False)))
+                layerwise = bool(getattr(self.quantizer, "layerwise", False))
+                plan = _Plan(S, layout.comp, layout.full, layout.comp_lengths if layerwise else None)
             else:
                 if layout is not None:
                     logger.warning("GradqReduceScatter: module %r reduced %d values per rank, its parameters make "
                                    "%d (a parameter without gradient?); compressing the whole buffer",
                                    layout.key, S, layout.block)
-                plan = _Plan(S, [(0, S)] if S else [], [], False)
+                plan = _Plan(S, [(0, S)] if S else [], [])
                 plan.fallback = layout is not None
             self._plans[key] = plan
         return plan
@@ -353,15 +370,18 @@ class GradqReduceScatter:
         mine = bad = int((~torch.isfinite(rows)).sum()) if rows.numel() else 0
         if bad:
             rows = torch.where(torch.isfinite(rows), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        intra_bytes = 0
+        intra_bytes, intra_s = 0, 0.0
         if self.intra_node is not None and self._local_group is not None:
+            ti = time.perf_counter()
             rows, bad, intra_bytes = self._intra_node_sum(rows, bad)
+            intra_s = time.perf_counter() - ti   # counted as communication, not encoding (below)
             ex_group = self._cross_group
             owners = [j * self.ranks_per_node + rank % self.ranks_per_node for j in range(rows.shape[0])]
         else:
             ex_group = group
             owners = list(range(world))
-        total, bad_total, sent, times = self._exchange(rows, plan, ex_group, owners, rank, key, bad, t0)
+        total, bad_total, sent, (t0, t1, t2) = self._exchange(rows, plan, ex_group, owners, rank, key, bad, t0)
+        times = (t0, t1 - intra_s, t2)
         t3 = time.perf_counter()
         if bad_total and self.nan_policy == "raise":
             self._end_call(plan, S, sent, intra_bytes, times, t3, skipped=False)
@@ -393,7 +413,7 @@ class GradqReduceScatter:
         send[:, :-1].view(L, N, S).copy_(rows.view(N, L, S).transpose(0, 1))
         send[:, -1] = 1.0 if bad else 0.0
         recv = torch.empty(N * S + 1, dtype=rows.dtype, device=rows.device)
-        collective("the intra-node reduce-scatter", dist.reduce_scatter_tensor, recv, send.reshape(-1),
+        collective("the intra-node reduce-scatter", _reduce_scatter_single(), recv, send.reshape(-1),
                    group=self._local_group)
         sent = (L - 1) * (N * S + 1) * rows.element_size()
         return recv[:-1].view(N, S), int(round(float(recv[-1]))), sent

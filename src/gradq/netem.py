@@ -92,30 +92,37 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 class EmulatedNetwork:
-    """``world`` namespaces on a bridge, each link limited to ``rate`` in both directions.
+    """One namespace per host on a bridge, each host's link limited to ``rate`` in both directions.
 
     Args:
-        world: number of hosts (ranks), 1..250.
+        world: number of ranks, 1..250.
         rate: link rate (``"1gbit"``, ``"500mbit"`` or bits/s).
         burst: ``tbf`` bucket size (default ``"512kb"``, which sustained ≈ 960 Mbit/s at 1 Gbit/s).
         tag: distinguishes concurrent harnesses (default: this process's PID).
-    Attributes: ``namespaces``, ``ifnames``, ``addrs`` (one per rank), ``master_addr``.
+        ranks_per_host: ranks sharing one host (default 1). Ranks of one host talk over the namespace's
+            loopback, at memory speed, and share the host's link to the others: a node of several GPUs.
+    Attributes: ``namespaces``, ``ifnames``, ``addrs`` (one per host), ``master_addr``; :meth:`host_of`.
     """
 
     def __init__(self, world: int, rate: str | int | float = "1gbit", *, burst: str = "512kb",
-                 tag: Optional[int] = None) -> None:
+                 tag: Optional[int] = None, ranks_per_host: int = 1) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 250:
             raise ValueError(f"world must be an int in 1..250, got {world!r}")
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1 \
+                or world % ranks_per_host:
+            raise ValueError(f"ranks_per_host must be a positive int dividing world={world}, got {ranks_per_host!r}")
         self.world = world
+        self.ranks_per_host = ranks_per_host
+        hosts = world // ranks_per_host
         self.rate = parse_rate(rate)
         self.burst = burst
         t = (os.getpid() if tag is None else int(tag)) % 10000
         self.bridge = f"gqb{t}"
-        self.namespaces = [f"gq{t}n{i}" for i in range(world)]
-        self.ifnames = [f"gq{t}v{i}" for i in range(world)]      # inside the namespace
-        self._peers = [f"gq{t}p{i}" for i in range(world)]       # on the bridge
+        self.namespaces = [f"gq{t}n{i}" for i in range(hosts)]
+        self.ifnames = [f"gq{t}v{i}" for i in range(hosts)]      # inside the namespace
+        self._peers = [f"gq{t}p{i}" for i in range(hosts)]       # on the bridge
         self.subnet = f"10.{200 + t // 250 % 50}.{t % 250}"
-        self.addrs = [f"{self.subnet}.{i + 1}" for i in range(world)]
+        self.addrs = [f"{self.subnet}.{i + 1}" for i in range(hosts)]
         self.master_addr = self.addrs[0]
         self._built = False
         self._old_handlers: dict[int, object] = {}
@@ -177,9 +184,13 @@ class EmulatedNetwork:
         _run(["ip", "link", "del", self.bridge], check=False)
         self._built = False
 
+    def host_of(self, rank: int) -> int:
+        """The host (namespace index) of ``rank``."""
+        return rank // self.ranks_per_host
+
     def prefix(self, rank: int) -> list[str]:
         """The command prefix that runs a program inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+        return ["ip", "netns", "exec", self.namespaces[self.host_of(rank)]]
 
 
 def _raise_interrupt(signum, frame):  # pragma: no cover - exercised by signals
@@ -206,10 +217,12 @@ def launch(cmds: Sequence[Sequence[str]], *, net: Optional[EmulatedNetwork] = No
     base = dict(os.environ if env is None else env)
     try:
         for r, cmd in enumerate(cmds):
-            e = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+            per_host = net.ranks_per_host if net else world
+            e = dict(base, RANK=str(r), LOCAL_RANK=str(r % per_host), LOCAL_WORLD_SIZE=str(per_host),
+                     WORLD_SIZE=str(world), MASTER_PORT=str(port),
                      OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads),
                      MASTER_ADDR=net.master_addr if net else "127.0.0.1",
-                     GLOO_SOCKET_IFNAME=net.ifnames[r] if net else "lo")
+                     GLOO_SOCKET_IFNAME=net.ifnames[net.host_of(r)] if net else "lo")
             procs.append(subprocess.Popen((net.prefix(r) if net else []) + list(cmd), env=e))
         deadline = None if timeout is None else time.monotonic() + timeout
         codes: list[Optional[int]] = [None] * world
@@ -237,7 +250,7 @@ def launch(cmds: Sequence[Sequence[str]], *, net: Optional[EmulatedNetwork] = No
 
 
 def launch_on(cmds: Sequence[Sequence[str]], rate: Optional[str] = None, *, timeout: Optional[float] = None,
-              threads: int = 1) -> Optional[str]:
+              threads: int = 1, ranks_per_host: int = 1) -> Optional[str]:
     """:func:`launch` on loopback (``rate=None``) or, as root, one rank per namespace on emulated links
     of ``rate`` (set up and torn down around the run). Returns ``None`` once the ranks have finished,
     or, without running anything, why links cannot be emulated here (the benchmarks then say so and
@@ -248,6 +261,6 @@ def launch_on(cmds: Sequence[Sequence[str]], rate: Optional[str] = None, *, time
     ok, why = can_emulate()
     if not ok:
         return why
-    with EmulatedNetwork(len(cmds), rate) as net:
+    with EmulatedNetwork(len(cmds), rate, ranks_per_host=ranks_per_host) as net:
         launch(cmds, net=net, timeout=timeout, threads=threads)
     return None

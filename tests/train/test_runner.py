@@ -218,3 +218,24 @@ def test_tensorboard_events_mirror_the_log(tmp_path):
     bits = acc.Scalars("gradq/bits_per_coord")
     assert [e.step for e in bits] == [r["step"] for r in steps]
     assert [e.value for e in bits] == pytest.approx([r["bits_per_coordinate"] for r in steps], rel=1e-6)
+
+
+def test_fsdp_runs_compare_stock_fsdp2_and_gradq(tmp_path):
+    """gradq train --fsdp: stock FSDP2 (its reduce-scatter timed) and gradq's compressed one, logged alike."""
+    pytest.importorskip("torch.distributed.fsdp")
+    cfgs = [_cfg(compressor=c, fsdp=True, measure_error=False, epochs=1) for c in ("fp32", "qsgd:bits=4,bucket=128")]
+    dirs = run_all(cfgs, tmp_path, echo=False, timeout=300)
+    fp, q = (_rows(d) for d in dirs)
+    assert json.loads((dirs[1] / "config.json").read_text())["fsdp"] is True
+    # logreg: a 10x64 weight and 10 biases; each rank's shard is half of each, 325 float32 values sent
+    # to the other rank per step (a ring reduce-scatter on 2 ranks)
+    assert fp[0]["bytes_sent"] == 325 * 4 and fp[0]["bits_per_coordinate"] == 32.0 and fp[0]["comm_s"] > 0
+    assert q[0]["bytes_sent"] < fp[0]["bytes_sent"] / 3 and q[0]["encode_s"] > 0 and q[0]["decode_s"] > 0
+    assert 4.0 < q[0]["bits_per_coordinate"] < 6.0
+    for rows in (fp, q):
+        ep = [r for r in rows if r["kind"] == "epoch"]
+        assert ep[-1]["test_accuracy"] > 0.7 and rows[-1]["kind"] == "summary"
+        assert rows[-1]["bytes_sent"] == sum(r["bytes_sent"] for r in rows if r["kind"] == "step")
+    for bad in ({"compressor": "powersgd"}, {"adaptive": True}, {"min_numel": "auto"}):
+        with pytest.raises(ValueError, match="fsdp"):
+            TrainConfig(fsdp=True, **bad)

@@ -36,7 +36,8 @@ def under_torchrun() -> bool:
 
 def _same(cfg: TrainConfig, saved: dict[str, Any]) -> bool:
     want = {k: v for k, v in cfg.to_json().items() if k not in _COSMETIC}
-    return all(saved.get(k) == v for k, v in want.items())
+    defaults = TrainConfig().to_json()   # a setting added after the run was written: its default then
+    return all(saved.get(k, defaults.get(k)) == v for k, v in want.items())
 
 
 def finished(run_dir: Path, cfg: TrainConfig) -> Optional[bool]:

@@ -10,6 +10,12 @@ gradient averaged by
   issued in different orders on different ranks);
 * any gradq spec — ``gradq.register(ddp_model, spec, ...)`` (synchronous hook; see :mod:`gradq.ddp`).
 
+With ``fsdp=True`` (``gradq train --fsdp``) the model is sharded with FSDP2 instead of wrapped in DDP:
+every submodule that holds parameters, then the root, goes through ``fully_shard``; ``fp32`` is stock
+FSDP2 (its own reduce-scatter, timed), a gradq spec installs :class:`gradq.fsdp.GradqReduceScatter`, and
+the test set is evaluated on every rank (a sharded forward needs them all; rank 0 writes it). Its
+reduce-scatter is synchronous, so its encode/communicate/decode seconds are the step's own.
+
 Every rank trains on its own shard of each epoch's permutation (drawn from the seed and the epoch, so
 every run with the same seed sees the same batches); the last incomplete global batch is dropped so all
 ranks take the same number of steps. Rank 0 writes the run directory:
@@ -90,6 +96,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = False  # also write TensorBoard event files into the run directory's tensorboard/
     comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks (hook and runner)
+    fsdp: bool = False  # shard the model with FSDP2 (fully_shard); gradients are reduce-scattered
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -107,10 +114,19 @@ class TrainConfig:
             raise ValueError(f"comm_timeout must be positive, got {self.comm_timeout!r}")
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
-        baseline_kind(self.compressor)  # a bad compressor fails here, before any process starts
+        kind = baseline_kind(self.compressor)[0]  # a bad compressor fails here, before any process starts
+        if self.fsdp:
+            bad = [name for name, on in (("powersgd", kind == "powersgd"), ("adaptive", self.adaptive),
+                                         ("measure_error", self.measure_error),
+                                         ("hook_warmup_steps", self.hook_warmup_steps > 0),
+                                         ("strategy", self.strategy != "auto"),
+                                         ("min_numel='auto'", self.min_numel == "auto")) if on]
+            if bad:
+                raise ValueError(f"fsdp=True does not combine with {', '.join(bad)} (DDP-hook features; "
+                                 "FSDP2 gradients are reduce-scattered by gradq.fsdp)")
         if self.label is None:
             adaptive = self.adaptive and baseline_kind(self.compressor)[0] == "gradq"
-            self.label = self.compressor + (" (adaptive)" if adaptive else "")
+            self.label = self.compressor + (" (adaptive)" if adaptive else "") + (" (fsdp)" if self.fsdp else "")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -275,6 +291,63 @@ def _install(ddp: nn.parallel.DistributedDataParallel, cfg: TrainConfig, world: 
     return None, clock, lambda step: _ring_bytes(numel if step < opts["start"] else compressed, world)
 
 
+class _TimedReduceScatter:
+    """Stock FSDP2's reduce-scatter, timed, with the bytes a ring reduce-scatter sends: ``(W−1)/W`` of its input."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        from ..fsdp import _reduce_scatter_single
+
+        t = time.perf_counter()
+        _reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group)
+        if output_tensor.device.type == "cuda":
+            torch.cuda.synchronize(output_tensor.device)
+        self.seconds += time.perf_counter() - t
+        self.bytes += (group.size() - 1) * output_tensor.numel() * output_tensor.element_size()
+
+    def take(self) -> tuple[float, int]:
+        """Seconds and bytes since the last call."""
+        out = (self.seconds, self.bytes)
+        self.seconds, self.bytes = 0.0, 0
+        return out
+
+
+def _shard_fsdp(model: nn.Module) -> nn.Module:
+    """FSDP2 on every submodule that holds parameters of its own, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in list(model.modules())[1:]:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def _install_fsdp(model: nn.Module, cfg: TrainConfig) -> tuple[Any, Optional[_TimedReduceScatter]]:
+    """gradq's reduce-scatter (returns its instance) or stock FSDP2's, timed (returns the clock)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if baseline_kind(cfg.compressor)[0] == "gradq":
+        import gradq
+
+        comm = gradq.register(model, cfg.compressor, seed=cfg.seed, min_numel=int(cfg.min_numel),
+                              uncompressed=cfg.uncompressed)
+        q = gradq.build(cfg.compressor)   # load the scheme's compiled kernels now, not inside the first step
+        q.decode(q.encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)), seed=0))
+        return comm, None
+    clock = _TimedReduceScatter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_reduce_scatter(clock)  # type: ignore[arg-type]
+    return None, clock
+
+
 def train_worker(cfg: TrainConfig, out_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
     """Train one run as this rank of the (already or about to be) initialised default process group.
 
@@ -321,8 +394,15 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
         torch.cuda.set_device(device)
     data = load_dataset(cfg.data, seed=cfg.seed, test_fraction=cfg.test_fraction)
     model = build_model(cfg.model, data.num_features, data.num_classes, data.image_shape, seed=cfg.seed).to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state, clock, fixed_bytes = _install(ddp, cfg, world)
+    numel = sum(p.numel() for p in model.parameters())
+    rs_clock: Optional[_TimedReduceScatter] = None
+    if cfg.fsdp:
+        ddp: nn.Module = _shard_fsdp(model)
+        state, rs_clock = _install_fsdp(ddp, cfg)
+        clock = fixed_bytes = None
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        state, clock, fixed_bytes = _install(ddp, cfg, world)
     params = [p for p in ddp.parameters()]
     if cfg.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
@@ -335,7 +415,6 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
     if steps_per_epoch < 1:
         raise ValueError(f"{x_tr.shape[0]} training examples are fewer than one global batch of "
                          f"{world}×{cfg.batch_size}; lower --batch-size or --workers")
-    numel = sum(p.numel() for p in model.parameters())
     log = None
     bar = None
     board = None
@@ -389,9 +468,14 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                 dt = time.perf_counter() - t0
                 step += 1
                 wall += dt
-                if state is not None:
+                if rs_clock is not None:   # stock FSDP2: its reduce-scatter is the step's communication
+                    com, sent = rs_clock.take()
+                    enc, dec, bpc, rel = 0.0, 0.0, 8.0 * sent / max(1, (world - 1) * numel // world), None
+                elif state is not None:
                     ls = state.last_stats
-                    enc, com, dec = _exposed(ls)
+                    # FSDP2's reduce-scatter is synchronous: all its time is the step's
+                    enc, com, dec = ((ls["encode_seconds"], ls["comm_seconds"], ls["decode_seconds"]) if cfg.fsdp
+                                     else _exposed(ls))
                     sent, bpc = int(ls["bytes_sent"]), float(ls["bits_per_coord"])
                     rel = ls.get("rel_error")
                 else:
@@ -411,7 +495,7 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                                      dtype=torch.float64, device=device)
                 if step % cfg.log_every == 0:
                     extra = {}
-                    if state is not None and state.adaptive is not None:  # the mode of this step, and decisions
+                    if getattr(state, "adaptive", None) is not None:  # the mode of this step, and decisions
                         extra = {"mode": state.last_stats.get("mode"), "adaptive_chosen": state.adaptive.chosen,
                                  "adaptive_medians": dict(state.adaptive.medians)}
                     write({"kind": "step", "epoch": epoch, "step": step, "loss": lv, "lr": lr, "wall_s": wall,
@@ -426,8 +510,11 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
                    "train_accuracy": float(sums[1] / sums[2]), "wall_s": wall, "epoch_s": epoch_s, **acc,
                    "bits_per_coordinate": sum(bits) / len(bits),
                    "rel_error": sum(errs) / len(errs) if errs else None}
+            if cfg.fsdp:   # a sharded forward needs every rank
+                row["test_loss"], row["test_accuracy"] = _evaluate(ddp, x_te, y_te)
             if rank == 0:
-                row["test_loss"], row["test_accuracy"] = _evaluate(ddp.module, x_te, y_te)
+                if not cfg.fsdp:
+                    row["test_loss"], row["test_accuracy"] = _evaluate(ddp.module, x_te, y_te)
                 write(row)
                 if bar is not None:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
@@ -437,10 +524,10 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
             summary = {"kind": "summary", "epochs": cfg.epochs, "steps": step, "wall_s": wall,
                        "final_loss": summary["loss"], "final_test_accuracy": summary["test_accuracy"],
                        "bytes_sent": total_bytes}
-            if state is not None and state.adaptive is not None:
+            if getattr(state, "adaptive", None) is not None:
                 summary["adaptive_decisions"] = [dict(d) for d in state.adaptive.decisions]
                 summary["adaptive_chosen"] = state.adaptive.chosen
-            if state is not None and state.min_numel_auto:
+            if getattr(state, "min_numel_auto", False):
                 summary["min_numel"] = state.min_numel
                 summary["calibration"] = dict(state.calibration)
             write(summary)
