@@ -223,7 +223,7 @@ def test_tensorboard_events_mirror_the_log(tmp_path):
 def test_fsdp_runs_compare_stock_fsdp2_and_gradq(tmp_path):
     """gradq train --fsdp: stock FSDP2 (its reduce-scatter timed) and gradq's compressed one, logged alike."""
     pytest.importorskip("torch.distributed.fsdp")
-    cfgs = [_cfg(compressor=c, fsdp=True, measure_error=False, epochs=1) for c in ("fp32", "qsgd:bits=4,bucket=128")]
+    cfgs = [_cfg(compressor=c, fsdp=True, measure_error=False) for c in ("fp32", "qsgd:bits=4,bucket=128")]
     dirs = run_all(cfgs, tmp_path, echo=False, timeout=300)
     fp, q = (_rows(d) for d in dirs)
     assert json.loads((dirs[1] / "config.json").read_text())["fsdp"] is True
@@ -234,7 +234,7 @@ def test_fsdp_runs_compare_stock_fsdp2_and_gradq(tmp_path):
     assert 4.0 < q[0]["bits_per_coordinate"] < 6.0
     for rows in (fp, q):
         ep = [r for r in rows if r["kind"] == "epoch"]
-        assert ep[-1]["test_accuracy"] > 0.7 and rows[-1]["kind"] == "summary"
+        assert ep[-1]["test_accuracy"] > 0.8 and rows[-1]["kind"] == "summary"   # as the DDP runs above
         assert rows[-1]["bytes_sent"] == sum(r["bytes_sent"] for r in rows if r["kind"] == "step")
     for bad in ({"compressor": "powersgd"}, {"adaptive": True}, {"min_numel": "auto"}):
         with pytest.raises(ValueError, match="fsdp"):
