@@ -121,13 +121,16 @@ def _case_policy(rank: int, world: int, tmp: str) -> dict:
     expect_l1 = (world - 1) * (q.expected_nbytes(512 // world) + 4 * (32 // world) + 4 + 4)
     # layer 2 (w2 128 values < min_numel, b2 4 values): all float32
     expect_l2 = (world - 1) * (4 * (128 // world + 4 // world) + 4 + 4)
+    # a parameter named in uncompressed (its name in the model given to register) travels in float32
+    _, named, _ = _train(spec, 1, rank, lr=1.0, min_numel=0, keep_1d_fp32=True, uncompressed=["0.weight"])
+    named_exact = [bool(torch.equal(p, torch.zeros_like(p))) for p in torch.split(named - stock, sizes)]
     # TernGrad's scaler is per layer: one payload per parameter shard inside each block
     _, tern, tc = _train("terngrad", 1, rank, **ALL)
     t = tc.quantizer
     expect_t = (world - 1) * (t.expected_nbytes(256) + t.expected_nbytes(16) + 8 + t.expected_nbytes(64)
                               + t.expected_nbytes(2) + 8)
     return {"fp32_exact": [bool(torch.equal(p, torch.zeros_like(p))) for p in parts],
-            "tern_bytes": tc.last_stats["bytes_sent"], "tern_expected": expect_t,
+            "named_exact": named_exact, "tern_bytes": tc.last_stats["bytes_sent"], "tern_expected": expect_t,
             "tern_finite": bool(torch.isfinite(tern).all()),
             "bytes": comm.last_stats["bytes_sent"], "expected": expect_l1 + expect_l2,
             "quantized": comm.last_stats["quantized_coords"], "coords": comm.last_stats["coords"]}
@@ -307,6 +310,7 @@ def test_policy_keeps_small_and_1d_parameters_in_float32():
     assert not w1 and b1 and w2 and b2   # the quantized layer differs from stock; the rest is exactly stock's
     assert out["bytes"] == out["expected"]
     assert out["tern_bytes"] == out["tern_expected"] and out["tern_finite"]
+    assert out["named_exact"] == [True, True, False, True]   # only the second weight quantized
     assert out["quantized"] == 512 // 2 and out["coords"] == (512 + 32 + 128 + 4) // 2
 
 

@@ -288,19 +288,15 @@ class GradqReduceScatter:
 
     # -- the module layouts ------------------------------------------------------------------------
     def _layout_of(self, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> Optional[_Layout]:
-        state = getattr(module, "_get_fsdp_state", lambda: None)()
-        pg = getattr(state, "_fsdp_param_group", None)
-        if pg is None:
+        try:
+            segs = self._segments(module, names)
+        except AttributeError as exc:   # FSDP's internals moved (another torch): no policy, said loudly
+            logger.warning("GradqReduceScatter: cannot read FSDP module %r's parameter layout (%s); its whole "
+                           "buffer is compressed, min_numel/keep_1d_fp32/uncompressed do not apply there", key, exc)
             return None
-        segs, off = [], 0
-        for fp in pg.fsdp_params:
-            if not fp.sharded_param.requires_grad:
-                continue
-            length = int(fp.padded_sharded_param_size.numel())
-            size = fp._orig_size
-            segs.append(_Segment(off, length, names.get(id(fp.sharded_param), fp._module_info.param_name),
-                                 int(size.numel()), len(size)))
-            off += length
+        if segs is None:
+            return None
+        off = segs[-1].offset + segs[-1].length if segs else 0
         lay = _Layout(key, segs, off)
         for s in segs:
             keep = (s.numel < self.min_numel or s.name in self.uncompressed or (self.keep_1d_fp32 and s.dim <= 1))
@@ -312,6 +308,25 @@ class GradqReduceScatter:
             else:
                 rs.append((s.offset, s.offset + s.length))
         return lay
+
+    @staticmethod
+    def _segments(module: torch.nn.Module, names: Mapping[int, str]) -> Optional[list[_Segment]]:
+        """Each parameter's padded shard in the module's blocks, from FSDP2's parameter group (private
+        attributes of torch's FSDP2: ``fsdp_params``, ``padded_sharded_param_size``, ``_orig_size``)."""
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        pg = state._fsdp_param_group
+        if pg is None:   # a module without parameters of its own
+            return None
+        segs, off = [], 0
+        for fp in pg.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue
+            length = int(fp.padded_sharded_param_size.numel())
+            size = fp._orig_size
+            segs.append(_Segment(off, length, names.get(id(fp.sharded_param), fp._module_info.param_name),
+                                 int(size.numel()), len(size)))
+            off += length
+        return segs
 
     def _plan(self, S: int, layout: Optional[_Layout]) -> _Plan:
         key = ("" if layout is None else layout.key, S)
