@@ -149,9 +149,10 @@ def _case_train(rank: int, world: int, tmp: str) -> dict:
 
 def _case_nonfinite(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
-    for policy in ("raise", "skip"):
+    for policy, defer in (("raise", False), ("skip", False), ("raise-deferred", True), ("skip-deferred", True)):
         m = _shard(_model())
-        comm = gradq.register(m, "qsgd:bits=4", seed=1, nan_policy=policy, **ALL)
+        comm = gradq.register(m, "qsgd:bits=4", seed=1, nan_policy=policy.split("-")[0], **ALL)
+        comm._defer = defer   # the CUDA path's bookkeeping: counts read once, when the backward ends
         rows = []
         for t in range(3):
             x, y = _batch(t, rank)
@@ -327,13 +328,14 @@ def test_training_converges_like_fp32_at_4_bits_and_with_error_feedback():
 
 def test_nonfinite_gradients_raise_on_every_rank_or_skip_the_step():
     out = _run("nonfinite")
-    r = out["raise"]["rows"]
-    assert "skipped" in r[0] and "error" in r[1] and "non-finite" in r[1]["error"] and "skipped" in r[2]
-    s = out["skip"]["rows"]   # rank 0 (which saw no NaN) reports: every rank skips alike
-    assert s[0] == {"skipped": False, "zero": False}
-    assert s[1] == {"skipped": True, "zero": True}
-    assert s[2] == {"skipped": False, "zero": False}
-    assert out["skip"]["skipped_steps"] == 1 and out["skip"]["steps"] == 3
+    for how in ("", "-deferred"):   # decided in the call (CPU), or at the backward's end (as on CUDA)
+        r = out["raise" + how]["rows"]
+        assert "skipped" in r[0] and "error" in r[1] and "non-finite" in r[1]["error"] and "skipped" in r[2], how
+        s = out["skip" + how]["rows"]   # rank 0 (which saw no NaN) reports: every rank skips alike
+        assert s[0] == {"skipped": False, "zero": False}, how
+        assert s[1] == {"skipped": True, "zero": True}, how
+        assert s[2] == {"skipped": False, "zero": False}, how
+        assert out["skip" + how]["skipped_steps"] == 1 and out["skip" + how]["steps"] == 3, how
 
 
 def test_checkpoint_and_resume_continue_exactly():

@@ -38,7 +38,9 @@ Non-finite gradients: a rank encodes zeros in place of NaN/Inf values and counts
 reaches every rank in the payloads (above). ``nan_policy="raise"`` then raises
 :class:`gradq.NonFiniteError` on every rank in the same call; ``"skip"`` zeroes this call's output and,
 when the backward ends, every gradient of the model, and marks the step ``skipped`` in ``last_stats``
-(check it to skip ``optimizer.step()``).
+(check it to skip ``optimizer.step()``). On CUDA tensors nothing waits for the GPU inside a call: the
+counts stay on the device (a bad call's output is zeroed there), the input buffer is cleaned in place,
+and the decision, like the phase times (CUDA events), is read once, when the backward ends.
 
 Error feedback (a spec such as ``ef(qsgd:bits=2)`` or a scheme that has it by default) keeps one
 residual per FSDP module and block: the size of the *unsharded* gradient, in float32, on every rank —
@@ -235,6 +237,7 @@ class GradqReduceScatter:
                                          "policy_fallbacks": 0, "encode_seconds": 0.0, "comm_seconds": 0.0,
                                          "decode_seconds": 0.0}
         self._checked = False
+        self._defer = False   # True: decide on non-finite values at the step's end, as on CUDA (for tests)
         self._step: Optional[dict[str, Any]] = None
         self._model: Optional[torch.nn.Module] = None
         self._plans: dict[tuple[str, int], _Plan] = {}
@@ -357,7 +360,7 @@ class GradqReduceScatter:
     def reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                        layout: Optional[_Layout] = None) -> None:
         """One call (what FSDP's ``__call__`` does), with the module's ``layout`` when known."""
-        from .comm._util import check_inputs
+        from .comm._util import check_inputs, phase
 
         kind, factor = _op_kind(op)
         world, rank = group.size(), group.rank()
@@ -381,40 +384,47 @@ class GradqReduceScatter:
         plan = self._plan(S, layout)
         key = "rs" if layout is None else layout.key
         rows = input_tensor.detach().reshape(world, S)
-        t0 = time.perf_counter()
-        mine = bad = int((~torch.isfinite(rows)).sum()) if rows.numel() else 0
-        if bad:
-            rows = torch.where(torch.isfinite(rows), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        intra_bytes, intra_s = 0, 0.0
+        cuda = rows.device.type == "cuda"
+        defer = cuda or self._defer   # counts kept on the device until the step's end (tests force it on CPU)
+        # CUDA: times from events read at the end of the step
+        info: dict[str, Any] = {"cuda_events": []} if cuda else {}
+        with phase(info, "encode"):
+            bad = (~torch.isfinite(rows)).sum()
+            if defer:   # no host wait: always clean, in place (FSDP's buffer is its scratch, as its divide is)
+                rows = rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            elif int(bad):
+                rows = torch.where(torch.isfinite(rows), rows, torch.zeros((), dtype=rows.dtype))
+        intra_bytes = 0
         if self.intra_node is not None and self._local_group is not None:
-            ti = time.perf_counter()
-            rows, bad, intra_bytes = self._intra_node_sum(rows, bad)
-            intra_s = time.perf_counter() - ti   # counted as communication, not encoding (below)
+            with phase(info, "comm"):
+                rows, bad, intra_bytes = self._intra_node_sum(rows, bad)
             ex_group = self._cross_group
             owners = [j * self.ranks_per_node + rank % self.ranks_per_node for j in range(rows.shape[0])]
         else:
             ex_group = group
             owners = list(range(world))
-        total, bad_total, sent, (t0, t1, t2) = self._exchange(rows, plan, ex_group, owners, rank, key, bad, t0)
-        times = (t0, t1 - intra_s, t2)
-        t3 = time.perf_counter()
-        if bad_total and self.nan_policy == "raise":
-            self._end_call(plan, S, sent, intra_bytes, times, t3, skipped=False)
-            self._end_step()
-            what = "ranks" if self.intra_node else "values"
-            raise NonFiniteError(f"GradqReduceScatter: non-finite gradients in FSDP module {key!r} ({what} over the "
-                                 f"ranks: {bad_total}; values on this rank: {mine}); nan_policy='raise'")
-        if bad_total:
-            output_tensor.zero_()
-        elif kind == "avg":
-            output_tensor.copy_(total.div_(world).reshape(output_tensor.shape))
-        else:
-            if factor != 1.0:
-                total.mul_(factor)
-            output_tensor.copy_(total.reshape(output_tensor.shape))
-        self._end_call(plan, S, sent, intra_bytes, times, time.perf_counter(), skipped=bool(bad_total))
+        with phase(info, "encode"):
+            bufs, fixed = self._encode_rows(rows, plan, owners, rank, key, bad)
+        sizes = [b.numel() for b in bufs]
+        from .comm.scatter import _exchange
 
-    def _intra_node_sum(self, rows: torch.Tensor, bad: int) -> tuple[torch.Tensor, int, int]:
+        with phase(info, "comm"):
+            recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, ex_group)
+        with phase(info, "decode"):
+            total, bad_total = self._decode_sum(recv, recv_sizes, plan, rows.dtype, rows.device, key)
+            if kind == "avg":
+                total.div_(world)
+            elif factor != 1.0:
+                total.mul_(factor)
+            if defer:
+                total = torch.where(bad_total > 0, torch.zeros((), device=total.device), total)
+            elif int(bad_total):
+                total.zero_()
+            output_tensor.copy_(total.reshape(output_tensor.shape))
+        sent = sum(sz for j, sz in enumerate(sizes) if j != ex_group.rank())
+        self._end_call(plan, S, sent, intra_bytes, info, bad, bad_total, key, defer)
+
+    def _intra_node_sum(self, rows: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Full precision inside the node: local rank ``l`` gets its node's sums of the blocks of ranks
         ``l, L+l, …`` (and the node's count of ranks that saw non-finite values). Returns those ``N``
         rows, the count, and the bytes this rank sent (a ring reduce-scatter's ``(L−1)/L``)."""
@@ -426,24 +436,22 @@ class GradqReduceScatter:
         # row l·(N·S+1) … : the blocks of ranks n·L+l for n = 0..N−1, then one flag per local rank
         send = torch.empty(L, N * S + 1, dtype=rows.dtype, device=rows.device)
         send[:, :-1].view(L, N, S).copy_(rows.view(N, L, S).transpose(0, 1))
-        send[:, -1] = 1.0 if bad else 0.0
+        send[:, -1] = (bad > 0).to(rows.dtype)
         recv = torch.empty(N * S + 1, dtype=rows.dtype, device=rows.device)
         collective("the intra-node reduce-scatter", _reduce_scatter_single(), recv, send.reshape(-1),
                    group=self._local_group)
         sent = (L - 1) * (N * S + 1) * rows.element_size()
-        return recv[:-1].view(N, S), int(round(float(recv[-1]))), sent
+        return recv[:-1].view(N, S), recv[-1].round().to(torch.int64), sent
 
-    def _exchange(self, rows: torch.Tensor, plan: _Plan, group: Any, owners: list[int], rank: int, key: str,
-                  bad: int, t0: float) -> tuple[torch.Tensor, int, int, tuple[float, float, float]]:
-        """Encode row ``j`` for ``owners[j]``, one all-to-all over ``group``, decode and sum this rank's rows.
-        Returns ``(sum, non-finite count over the senders, bytes sent, (t0, t1, t2))``."""
+    def _encode_rows(self, rows: torch.Tensor, plan: _Plan, owners: list[int], rank: int, key: str,
+                     bad: torch.Tensor) -> tuple[list[torch.Tensor], Optional[int]]:
+        """Row ``j``'s payload for ``owners[j]``: [part lengths when variable] compressed parts, raw
+        full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads and their
+        common size (``None`` when data-dependent)."""
         from .comm import derive_seed
-        from .comm._util import seal, seal_bytes, unseal
-        from .comm.scatter import _exchange
+        from .comm._util import seal, seal_bytes
 
         q = self.quantizer
-        K, S = rows.shape
-        me = group.rank()
         trailer = seal_bytes(rows.device, self.checksum)
         comp, full = plan.split(rows)
         comp = comp.to(torch.float32)
@@ -452,37 +460,47 @@ class GradqReduceScatter:
         fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
         variable = any(f is None for f in fixed_parts)
         head = 4 * len(plan.parts) if variable else 0
+        flag = bad.clamp(max=2 ** 31 - 1).to(torch.int32).reshape(1).view(torch.uint8)
         bufs = []
-        for j in range(K):
-            tag = f"rs{self.calls}:{owners[j]}"
+        for j, owner in enumerate(owners):
+            tag = f"rs{self.calls}:{owner}"
             payloads = []
             for i, (a, b) in enumerate(plan.parts):
                 pk = tag if len(plan.parts) == 1 else f"{tag}:{i}"
                 ss = derive_seed(self.seed, None, pk) if q.needs_shared_seed else None
                 payloads.append(q.encode(comp[j, a:b], seed=derive_seed(self.seed, rank, pk), shared_seed=ss,
-                                         name=f"{key}:{owners[j]}:{i}"))
-            size = head + sum(p.nbytes for p in payloads) + raw + _FLAG + trailer
-            buf = torch.empty(size, dtype=torch.uint8, device=rows.device)
-            pos = head
+                                         name=f"{key}:{owner}:{i}"))
+            buf = torch.empty(head + sum(p.nbytes for p in payloads) + raw + _FLAG + trailer, dtype=torch.uint8,
+                              device=rows.device)
             if variable:
-                buf[:head].view(torch.int32).copy_(torch.tensor([p.nbytes for p in payloads], dtype=torch.int32))
+                buf[:head].copy_(torch.tensor([p.nbytes for p in payloads], dtype=torch.int32).view(torch.uint8))
+            pos = head
             for p in payloads:
                 p.to_bytes(out=buf[pos:pos + p.nbytes])
                 pos += p.nbytes
             if raw:
                 buf[pos:pos + raw].copy_(full[j].view(torch.uint8))
                 pos += raw
-            buf[pos:pos + _FLAG].copy_(torch.tensor([min(bad, 2 ** 31 - 1)], dtype=torch.int32).view(torch.uint8))
+            buf[pos:pos + _FLAG].copy_(flag)
             seal(buf, trailer)
             bufs.append(buf)
-        sizes = [b.numel() for b in bufs]
         fixed = None if variable else head + sum(fixed_parts) + raw + _FLAG + trailer  # type: ignore[arg-type]
-        t1 = time.perf_counter()
-        recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, group)
-        t2 = time.perf_counter()
-        total = torch.zeros(S, dtype=torch.float32, device=rows.device)
-        row = torch.empty(S, dtype=torch.float32, device=rows.device) if not plan.whole else None
-        bad_total = 0
+        return bufs, fixed
+
+    def _decode_sum(self, recv: torch.Tensor, recv_sizes: list[int], plan: _Plan, dtype: torch.dtype,
+                    device: torch.device, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode the received payloads and sum them in rank order: ``(sum, non-finite count over the
+        senders)`` (the count a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype)."""
+        from .comm._util import seal_bytes, unseal
+
+        q = self.quantizer
+        trailer = seal_bytes(device, self.checksum)
+        fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
+        variable = any(f is None for f in fixed_parts)
+        head = 4 * len(plan.parts) if variable else 0
+        total = torch.zeros(plan.S, dtype=torch.float32, device=device)
+        row = None if plan.whole else torch.empty(plan.S, dtype=torch.float32, device=device)
+        bad_total = torch.zeros((), dtype=torch.int64, device=device)
         for i, buf in enumerate(torch.split(recv, recv_sizes)):
             body, intact = unseal(buf, trailer)
             if not intact:
@@ -495,16 +513,16 @@ class GradqReduceScatter:
             for (a, b), ln in zip(plan.parts, lens):
                 dec.append(q.decode(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False)))
                 pos += ln
+            raw = body.numel() - pos - _FLAG
             vals = torch.cat(dec) if len(dec) > 1 else (dec[0] if dec else total[:0])
-            fvals = body[pos:pos + raw].clone().view(full.dtype).to(torch.float32)
-            bad_total += int(body[pos + raw:pos + raw + _FLAG].clone().view(torch.int32).item())
+            bad_total += body[pos + raw:pos + raw + _FLAG].clone().view(torch.int32)[0]
             if row is None:
                 total.add_(vals)
             else:
+                fvals = body[pos:pos + raw].clone().view(dtype).to(torch.float32)
                 plan.scatter(row, vals, fvals)
                 total.add_(row)
-        sent = sum(s for j, s in enumerate(sizes) if j != me)
-        return total, bad_total, sent, (t0, t1, t2)
+        return total, bad_total
 
     # -- steps and statistics ----------------------------------------------------------------------
     def _begin_call(self) -> None:
@@ -516,20 +534,18 @@ class GradqReduceScatter:
         self._step = {"step": self.steps, "calls": 0, "bytes_sent": 0, "intra_node_bytes": 0, "coords": 0,
                       "quantized_coords": 0, "encode_seconds": 0.0, "comm_seconds": 0.0, "decode_seconds": 0.0,
                       "skipped": False, "policy_fallbacks": 0}
-        self._step["task"] = task
-        self._step["in_backward"] = task != -1
+        self._step.update(task=task, in_backward=task != -1, events=[], bad=[])
         if self._step["in_backward"]:   # runs after FSDP's own end-of-backward callback (queued earlier)
             from torch.autograd import Variable
 
             Variable._execution_engine.queue_callback(self._end_step)
 
-    def _end_call(self, plan: _Plan, S: int, sent: int, intra: int, times: tuple[float, float, float], t3: float,
-                  skipped: bool) -> None:
-        t0, t1, t2 = times
+    def _end_call(self, plan: _Plan, S: int, sent: int, intra: int, info: dict[str, Any], bad: torch.Tensor,
+                  bad_total: torch.Tensor, key: str, defer: bool) -> None:
+        events = info.get("cuda_events")
         call = {"call": self.calls, "bytes_sent": sent, "intra_node_bytes": intra, "coords": S,
-                "quantized_coords": plan.n_comp, "encode_seconds": t1 - t0, "comm_seconds": t2 - t1,
-                "decode_seconds": t3 - t2, "skipped": skipped,
-                "policy_fallbacks": int(plan.fallback)}
+                "quantized_coords": plan.n_comp, "policy_fallbacks": int(plan.fallback),
+                **{f"{k}_seconds": info.get(f"{k}_s", 0.0) for k in ("encode", "comm", "decode")}}
         self.last_call = call
         step = self._step
         assert step is not None
@@ -537,17 +553,43 @@ class GradqReduceScatter:
                   "decode_seconds", "policy_fallbacks"):
             step[k] += call[k]
         step["calls"] += 1
-        step["skipped"] = step["skipped"] or skipped
+        step["events"].extend(events or ())
+        step["bad"].append((key, bad, bad_total))
         self.calls += 1
+        if not defer and int(bad_total):   # CPU: decided in the call (on CUDA at the step's end)
+            self._nonfinite(step)
         if not step["in_backward"]:
             self._end_step()
 
+    def _nonfinite(self, step: dict[str, Any]) -> None:
+        """Act on the step's non-finite counts (equal on every rank): raise, or mark the step skipped."""
+        hits = [(key, int(mine), int(total)) for key, mine, total in step["bad"] if int(total)]
+        step["bad"] = []
+        if not hits:
+            return
+        if self.nan_policy == "raise":
+            self._end_step()
+            key, mine, total = hits[0]
+            what = "ranks" if self.intra_node else "values"
+            raise NonFiniteError(f"GradqReduceScatter: non-finite gradients in FSDP module {key!r} ({what} over the "
+                                 f"ranks: {total}; values on this rank: {mine}); nan_policy='raise'")
+        step["skipped"] = True
+
     def _end_step(self) -> None:
-        step, self._step = self._step, None
+        step = self._step
         if step is None:
             return
-        step.pop("in_backward", None)
-        step.pop("task", None)
+        if step["bad"]:   # CUDA: the counts were left on the device until now (one host wait per step)
+            self._nonfinite(step)
+        self._step = None
+        if step["events"]:
+            t = {"encode": 0.0, "comm": 0.0, "decode": 0.0}
+            for name, a, b in step["events"]:
+                b.synchronize()
+                t[name] += a.elapsed_time(b) / 1000.0
+            step.update({f"{k}_seconds": v for k, v in t.items()})
+        for k in ("in_backward", "task", "events", "bad"):
+            step.pop(k, None)
         if step["skipped"] and self._model is not None:
             for p in self._model.parameters():
                 if p.grad is not None:
