@@ -141,10 +141,13 @@ def _case_train(rank: int, world: int, tmp: str) -> dict:
     lq, _, comm = _train("qsgd:bits=4,bucket=128", 60, rank)
     lef, _, ef = _train("ef(qsgd:bits=2,bucket=128)", 60, rank)
     per_rank = sum(p.numel() for p in _model().parameters())   # unsharded sizes (both dims divide by 2)
+    from gradq.integrations import step_metrics   # what the framework callbacks log, as for the DDP hook
+
+    metrics = step_metrics(comm)
     return {"fp32": [l32[0], sum(l32[-10:]) / 10], "q": [lq[0], sum(lq[-10:]) / 10],
             "ef": [lef[0], sum(lef[-10:]) / 10], "bits": comm.last_stats["bits_per_coord"],
             "state": comm.state_dict(), "residual_bytes": ef.residual_bytes, "expected_residual": 4 * per_rank,
-            "ef_state_keys": len(ef.state_dict()["residuals"])}
+            "ef_state_keys": len(ef.state_dict()["residuals"]), "metrics": metrics}
 
 
 def _case_nonfinite(rank: int, world: int, tmp: str) -> dict:
@@ -322,6 +325,8 @@ def test_training_converges_like_fp32_at_4_bits_and_with_error_feedback():
     assert bq < 1.5 * b32 + 0.05                  # 4-bit QSGD stays close to fp32 (variance ~ 1/s²)
     assert be < 2.0 * b32 + 0.1                   # 2-bit with error feedback too
     assert 4.0 < out["bits"] < 6.0 and out["state"]["calls"] > 0
+    m = out["metrics"]
+    assert m["gradq/step"] == 60 and m["gradq/bits_per_coord"] == out["bits"] and m["gradq/bytes_sent"] > 0
     # error feedback holds the unsharded gradient in float32 on every rank: FSDP's saving undone
     assert out["residual_bytes"] == out["expected_residual"] and out["ef_state_keys"] == 4
 

@@ -257,6 +257,16 @@ class GradqReduceScatter:
                 "nan_policy": self.nan_policy, "intra_node": self.intra_node, "ranks_per_node": self.ranks_per_node}
 
     @property
+    def step(self) -> int:
+        """Steps completed (as :attr:`gradq.GradqState.step`; ``gradq.integrations.step_metrics`` reads it)."""
+        return self.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by ``nan_policy="skip"`` (as :attr:`gradq.GradqState.skipped_steps`)."""
+        return int(self.totals["skipped_steps"])
+
+    @property
     def residual_bytes(self) -> int:
         """Bytes held by error-feedback residuals on this rank (0 without error feedback)."""
         q = self.quantizer
@@ -389,7 +399,7 @@ class GradqReduceScatter:
         # CUDA: times from events read at the end of the step
         info: dict[str, Any] = {"cuda_events": []} if cuda else {}
         with phase(info, "encode"):
-            bad = (~torch.isfinite(rows)).sum()
+            bad = torch.isfinite(rows).logical_not_().sum()
             if defer:   # no host wait: always clean, in place (FSDP's buffer is its scratch, as its divide is)
                 rows = rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             elif int(bad):
