@@ -156,7 +156,6 @@ class _Plan:
                 bounds.append(bounds[-1] + n)
             self.parts = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
         self.n_full = sum(b - a for a, b in full)
-        self.whole = comp == [(0, S)]
         self.fallback = False   # the module's layout did not match the call (the whole buffer compressed)
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,13 +168,24 @@ class _Plan:
             return torch.cat([rows[:, a:b] for a, b in rs], dim=1)
         return cat(self.comp), cat(self.full)
 
-    def scatter(self, out: torch.Tensor, comp: torch.Tensor, full: torch.Tensor) -> None:
-        """The inverse of :meth:`split` for one row (``out`` of ``S`` values)."""
-        for rs, vals in ((self.comp, comp), (self.full, full)):
-            pos = 0
-            for a, b in rs:
-                out[a:b] = vals[pos:pos + b - a]
-                pos += b - a
+    @staticmethod
+    def scatter_into(out: torch.Tensor, ranges: list[tuple[int, int]], vals: torch.Tensor) -> None:
+        """The inverse of :meth:`split` for one row and one kind: ``vals`` back into ``out``'s ``ranges``."""
+        pos = 0
+        for a, b in ranges:
+            out[a:b] = vals[pos:pos + b - a]
+            pos += b - a
+
+
+def _screen(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(number of non-finite values, x with them zeroed)``; one sum when there are none (a NaN or
+    Inf element makes the sum non-finite whatever the order; only then, or when finite values
+    overflow it, are the elements counted)."""
+    if not x.numel() or bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        return 0, x
+    ok = torch.isfinite(x)
+    n = int(ok.numel() - int(ok.sum()))
+    return n, (torch.where(ok, x, torch.zeros((), dtype=x.dtype, device=x.device)) if n else x)
 
 
 class GradqReduceScatter:
@@ -398,14 +408,16 @@ class GradqReduceScatter:
         defer = cuda or self._defer   # counts kept on the device until the step's end (tests force it on CPU)
         # CUDA: times from events read at the end of the step
         info: dict[str, Any] = {"cuda_events": []} if cuda else {}
+        hier = self.intra_node is not None and self._local_group is not None
+        bad: Any = None   # None: left to the quantizer's own screen, which is free for most schemes (below)
         with phase(info, "encode"):
-            bad = torch.isfinite(rows).logical_not_().sum()
             if defer:   # no host wait: always clean, in place (FSDP's buffer is its scratch, as its divide is)
+                bad = torch.isfinite(rows).logical_not_().sum()
                 rows = rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            elif int(bad):
-                rows = torch.where(torch.isfinite(rows), rows, torch.zeros((), dtype=rows.dtype))
+            elif hier or isinstance(self.quantizer, ErrorFeedback):   # (both need the count before encoding)
+                bad, rows = _screen(rows)
         intra_bytes = 0
-        if self.intra_node is not None and self._local_group is not None:
+        if hier:
             with phase(info, "comm"):
                 rows, bad, intra_bytes = self._intra_node_sum(rows, bad)
             ex_group = self._cross_group
@@ -414,18 +426,15 @@ class GradqReduceScatter:
             ex_group = group
             owners = list(range(world))
         with phase(info, "encode"):
-            bufs, fixed = self._encode_rows(rows, plan, owners, rank, key, bad)
+            bufs, fixed, bad = self._encode_rows(rows, plan, owners, rank, key, bad)
         sizes = [b.numel() for b in bufs]
         from .comm.scatter import _exchange
 
         with phase(info, "comm"):
             recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, ex_group)
         with phase(info, "decode"):
-            total, bad_total = self._decode_sum(recv, recv_sizes, plan, rows.dtype, rows.device, key)
-            if kind == "avg":
-                total.div_(world)
-            elif factor != 1.0:
-                total.mul_(factor)
+            total, bad_total = self._decode_sum(recv, recv_sizes, plan, rows.dtype, rows.device, key,
+                                                world if kind == "avg" else None, factor)
             if defer:
                 total = torch.where(bad_total > 0, torch.zeros((), device=total.device), total)
             elif int(bad_total):
@@ -434,7 +443,7 @@ class GradqReduceScatter:
         sent = sum(sz for j, sz in enumerate(sizes) if j != ex_group.rank())
         self._end_call(plan, S, sent, intra_bytes, info, bad, bad_total, key, defer)
 
-    def _intra_node_sum(self, rows: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _intra_node_sum(self, rows: torch.Tensor, bad: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Full precision inside the node: local rank ``l`` gets its node's sums of the blocks of ranks
         ``l, L+l, …`` (and the node's count of ranks that saw non-finite values). Returns those ``N``
         rows, the count, and the bytes this rank sent (a ring reduce-scatter's ``(L−1)/L``)."""
@@ -446,7 +455,7 @@ class GradqReduceScatter:
         # row l·(N·S+1) … : the blocks of ranks n·L+l for n = 0..N−1, then one flag per local rank
         send = torch.empty(L, N * S + 1, dtype=rows.dtype, device=rows.device)
         send[:, :-1].view(L, N, S).copy_(rows.view(N, L, S).transpose(0, 1))
-        send[:, -1] = (bad > 0).to(rows.dtype)
+        send[:, -1] = (bad > 0).to(rows.dtype) if isinstance(bad, torch.Tensor) else float(bad > 0)
         recv = torch.empty(N * S + 1, dtype=rows.dtype, device=rows.device)
         collective("the intra-node reduce-scatter", _reduce_scatter_single(), recv, send.reshape(-1),
                    group=self._local_group)
@@ -454,10 +463,21 @@ class GradqReduceScatter:
         return recv[:-1].view(N, S), recv[-1].round().to(torch.int64), sent
 
     def _encode_rows(self, rows: torch.Tensor, plan: _Plan, owners: list[int], rank: int, key: str,
-                     bad: torch.Tensor) -> tuple[list[torch.Tensor], Optional[int]]:
+                     bad: Any) -> tuple[list[torch.Tensor], Optional[int], Any]:
         """Row ``j``'s payload for ``owners[j]``: [part lengths when variable] compressed parts, raw
-        full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads and their
-        common size (``None`` when data-dependent)."""
+        full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads, their
+        common size (``None`` when data-dependent) and the count. ``bad=None``: the quantizer's own
+        screen finds non-finite values (it raises before encoding anything); the rows are then
+        counted, cleaned and encoded again."""
+        if bad is None:
+            n_bad, _ = _screen(plan.split(rows)[1])   # the raw values: no quantizer looks at them
+            if n_bad:
+                bad, rows = _screen(rows)
+            else:
+                try:
+                    return self._encode_rows(rows, plan, owners, rank, key, 0)
+                except NonFiniteError:
+                    bad, rows = _screen(rows)
         from .comm import derive_seed
         from .comm._util import seal, seal_bytes
 
@@ -470,7 +490,10 @@ class GradqReduceScatter:
         fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
         variable = any(f is None for f in fixed_parts)
         head = 4 * len(plan.parts) if variable else 0
-        flag = bad.clamp(max=2 ** 31 - 1).to(torch.int32).reshape(1).view(torch.uint8)
+        if isinstance(bad, torch.Tensor):
+            flag = bad.clamp(max=2 ** 31 - 1).to(torch.int32).reshape(1).view(torch.uint8)
+        else:
+            flag = torch.tensor([min(int(bad), 2 ** 31 - 1)], dtype=torch.int32).view(torch.uint8)
         bufs = []
         for j, owner in enumerate(owners):
             tag = f"rs{self.calls}:{owner}"
@@ -495,12 +518,15 @@ class GradqReduceScatter:
             seal(buf, trailer)
             bufs.append(buf)
         fixed = None if variable else head + sum(fixed_parts) + raw + _FLAG + trailer  # type: ignore[arg-type]
-        return bufs, fixed
+        return bufs, fixed, bad
 
     def _decode_sum(self, recv: torch.Tensor, recv_sizes: list[int], plan: _Plan, dtype: torch.dtype,
-                    device: torch.device, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode the received payloads and sum them in rank order: ``(sum, non-finite count over the
-        senders)`` (the count a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype)."""
+                    device: torch.device, key: str, divide: Optional[int],
+                    factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode the received payloads and reduce them, summed in rank order: divided by ``divide``
+        (AVG), else times ``factor``. Returns ``(result, non-finite count over the senders)`` (the count
+        a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype). The mean of the
+        compressed values is one fused pass (``decode_mean``) when every rank's payload is here."""
         from .comm._util import seal_bytes, unseal
 
         q = self.quantizer
@@ -508,9 +534,8 @@ class GradqReduceScatter:
         fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
         variable = any(f is None for f in fixed_parts)
         head = 4 * len(plan.parts) if variable else 0
-        total = torch.zeros(plan.S, dtype=torch.float32, device=device)
-        row = None if plan.whole else torch.empty(plan.S, dtype=torch.float32, device=device)
-        bad_total = torch.zeros((), dtype=torch.int64, device=device)
+        parts: list[list[Any]] = [[] for _ in plan.parts]
+        raws, flags = [], []
         for i, buf in enumerate(torch.split(recv, recv_sizes)):
             body, intact = unseal(buf, trailer)
             if not intact:
@@ -519,19 +544,40 @@ class GradqReduceScatter:
             # (a received payload may start at any byte: views of wider types go through a copy)
             lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
             pos = head
-            dec = []
-            for (a, b), ln in zip(plan.parts, lens):
-                dec.append(q.decode(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False)))
+            for k, ((a, b), ln) in enumerate(zip(plan.parts, lens)):
+                parts[k].append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
                 pos += ln
-            raw = body.numel() - pos - _FLAG
-            vals = torch.cat(dec) if len(dec) > 1 else (dec[0] if dec else total[:0])
-            bad_total += body[pos + raw:pos + raw + _FLAG].clone().view(torch.int32)[0]
-            if row is None:
-                total.add_(vals)
-            else:
-                fvals = body[pos:pos + raw].clone().view(dtype).to(torch.float32)
-                plan.scatter(row, vals, fvals)
-                total.add_(row)
+            raws.append(body[pos:body.numel() - _FLAG])
+            flags.append(body[body.numel() - _FLAG:])
+        K = len(recv_sizes)
+        total = torch.empty(plan.S, dtype=torch.float32, device=device)
+        if plan.n_comp:
+            one = len(plan.comp) == 1
+            cv = total[plan.comp[0][0]:plan.comp[0][1]] if one else torch.empty(plan.n_comp, device=device)
+            for (a, b), pls in zip(plan.parts, parts):
+                if divide == K:   # ((d_0 + d_1) + …)/M in one pass, bit for bit the sum then the division
+                    q.decode_mean(pls, out=cv[a:b])
+                    continue
+                acc = q.decode(pls[0], out=cv[a:b])
+                tmp = torch.empty(b - a, dtype=torch.float32, device=device)
+                for p in pls[1:]:
+                    acc.add_(q.decode(p, out=tmp))
+                if divide is not None:
+                    acc.div_(divide)
+                elif factor != 1.0:
+                    acc.mul_(factor)
+            if not one:
+                plan.scatter_into(total, plan.comp, cv)
+        if plan.n_full:
+            fv = raws[0].clone().view(dtype).to(torch.float32)
+            for r in raws[1:]:
+                fv.add_(r.clone().view(dtype).to(torch.float32))
+            if divide is not None:
+                fv.div_(divide)
+            elif factor != 1.0:
+                fv.mul_(factor)
+            plan.scatter_into(total, plan.full, fv)
+        bad_total = torch.stack([f.clone().view(torch.int32)[0] for f in flags]).to(torch.int64).sum()
         return total, bad_total
 
     # -- steps and statistics ----------------------------------------------------------------------
