@@ -67,8 +67,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -76,6 +74,7 @@ import torch.distributed as dist
 
 from .errors import NonFiniteError, PayloadError
 from .factory import build
+from .fsdp_layout import Layout, Plan, read_segments, screen
 from .quantizers.base import Quantizer
 from .transforms import ErrorFeedback
 
@@ -117,75 +116,6 @@ def _op_kind(op: Any) -> tuple[str, float]:
         return "sum", float(op.factor)
     raise ValueError(f"GradqReduceScatter: FSDP asked for reduce op {op!r}; only AVG, SUM and PREMUL_SUM are "
                      "gradient reductions")
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """One parameter's padded shard inside every block of a module's buffer."""
-    offset: int
-    length: int
-    name: str
-    numel: int     # the parameter's unsharded size
-    dim: int
-
-
-@dataclass
-class _Layout:
-    """A module's block layout (from FSDP's parameter group) and its split into the policy's parts."""
-    key: str
-    segments: list[_Segment]
-    block: int = 0
-    comp: list[tuple[int, int]] = field(default_factory=list)   # compressed (start, stop) in a block
-    full: list[tuple[int, int]] = field(default_factory=list)   # full precision
-    comp_lengths: list[int] = field(default_factory=list)        # each compressed parameter's shard, in order
-
-
-class _Plan:
-    """How one call cuts each block: compressed parts (one, or one per layer) and the full-precision rest."""
-
-    def __init__(self, S: int, comp: list[tuple[int, int]], full: list[tuple[int, int]],
-                 lengths: Optional[list[int]] = None) -> None:
-        self.S = S
-        self.comp, self.full = comp, full
-        self.n_comp = sum(b - a for a, b in comp)
-        # (start, stop) in the concatenated compressed values: one part, or one per parameter (``lengths``)
-        self.parts: list[tuple[int, int]] = [(0, self.n_comp)] if self.n_comp else []
-        if lengths:
-            bounds = [0]
-            for n in lengths:
-                bounds.append(bounds[-1] + n)
-            self.parts = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        self.n_full = sum(b - a for a, b in full)
-        self.fallback = False   # the module's layout did not match the call (the whole buffer compressed)
-
-    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(compressed values, full-precision values)`` of every row of ``rows`` (``K×S``)."""
-        def cat(rs: list[tuple[int, int]]) -> torch.Tensor:
-            if len(rs) == 1:
-                return rows[:, rs[0][0]:rs[0][1]]
-            if not rs:
-                return rows[:, :0]
-            return torch.cat([rows[:, a:b] for a, b in rs], dim=1)
-        return cat(self.comp), cat(self.full)
-
-    @staticmethod
-    def scatter_into(out: torch.Tensor, ranges: list[tuple[int, int]], vals: torch.Tensor) -> None:
-        """The inverse of :meth:`split` for one row and one kind: ``vals`` back into ``out``'s ``ranges``."""
-        pos = 0
-        for a, b in ranges:
-            out[a:b] = vals[pos:pos + b - a]
-            pos += b - a
-
-
-def _screen(x: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(number of non-finite values, x with them zeroed)``; one sum when there are none (a NaN or
-    Inf element makes the sum non-finite whatever the order; only then, or when finite values
-    overflow it, are the elements counted)."""
-    if not x.numel() or bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        return 0, x
-    ok = torch.isfinite(x)
-    n = int(ok.numel() - int(ok.sum()))
-    return n, (torch.where(ok, x, torch.zeros((), dtype=x.dtype, device=x.device)) if n else x)
 
 
 class GradqReduceScatter:
@@ -250,7 +180,7 @@ class GradqReduceScatter:
         self._defer = False   # True: decide on non-finite values at the step's end, as on CUDA (for tests)
         self._step: Optional[dict[str, Any]] = None
         self._model: Optional[torch.nn.Module] = None
-        self._plans: dict[tuple[str, int], _Plan] = {}
+        self._plans: dict[tuple[str, int], Plan] = {}
         if isinstance(self.quantizer, ErrorFeedback):
             logger.info("GradqReduceScatter: %s keeps an error-feedback residual the size of each FSDP module's "
                         "unsharded gradient on every rank (residual_bytes)", self.spec)
@@ -310,9 +240,9 @@ class GradqReduceScatter:
                 self._cross_group = g
 
     # -- the module layouts ------------------------------------------------------------------------
-    def _layout_of(self, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> Optional[_Layout]:
+    def _layout_of(self, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> Optional[Layout]:
         try:
-            segs = self._segments(module, names)
+            segs = read_segments(module, names)
         except AttributeError as exc:   # FSDP's internals moved (another torch): no policy, said loudly
             logger.warning("GradqReduceScatter: cannot read FSDP module %r's parameter layout (%s); its whole "
                            "buffer is compressed, min_numel/keep_1d_fp32/uncompressed do not apply there", key, exc)
@@ -320,7 +250,7 @@ class GradqReduceScatter:
         if segs is None:
             return None
         off = segs[-1].offset + segs[-1].length if segs else 0
-        lay = _Layout(key, segs, off)
+        lay = Layout(key, segs, off)
         for s in segs:
             keep = (s.numel < self.min_numel or s.name in self.uncompressed or (self.keep_1d_fp32 and s.dim <= 1))
             rs = lay.full if keep else lay.comp
@@ -332,38 +262,19 @@ class GradqReduceScatter:
                 rs.append((s.offset, s.offset + s.length))
         return lay
 
-    @staticmethod
-    def _segments(module: torch.nn.Module, names: Mapping[int, str]) -> Optional[list[_Segment]]:
-        """Each parameter's padded shard in the module's blocks, from FSDP2's parameter group (private
-        attributes of torch's FSDP2: ``fsdp_params``, ``padded_sharded_param_size``, ``_orig_size``)."""
-        state = module._get_fsdp_state()  # type: ignore[operator]
-        pg = state._fsdp_param_group
-        if pg is None:   # a module without parameters of its own
-            return None
-        segs, off = [], 0
-        for fp in pg.fsdp_params:
-            if not fp.sharded_param.requires_grad:
-                continue
-            length = int(fp.padded_sharded_param_size.numel())
-            size = fp._orig_size
-            segs.append(_Segment(off, length, names.get(id(fp.sharded_param), fp._module_info.param_name),
-                                 int(size.numel()), len(size)))
-            off += length
-        return segs
-
-    def _plan(self, S: int, layout: Optional[_Layout]) -> _Plan:
+    def _plan(self, S: int, layout: Optional[Layout]) -> Plan:
         key = ("" if layout is None else layout.key, S)
         plan = self._plans.get(key)
         if plan is None:
             if layout is not None and layout.block == S:
                 layerwise = bool(getattr(self.quantizer, "layerwise", False))
-                plan = _Plan(S, layout.comp, layout.full, layout.comp_lengths if layerwise else None)
+                plan = Plan(S, layout.comp, layout.full, layout.comp_lengths if layerwise else None)
             else:
                 if layout is not None:
                     logger.warning("GradqReduceScatter: module %r reduced %d values per rank, its parameters make "
                                    "%d (a parameter without gradient?); compressing the whole buffer",
                                    layout.key, S, layout.block)
-                plan = _Plan(S, [(0, S)] if S else [], [])
+                plan = Plan(S, [(0, S)] if S else [], [])
                 plan.fallback = layout is not None
             self._plans[key] = plan
         return plan
@@ -378,7 +289,7 @@ class GradqReduceScatter:
         self.reduce_scatter(output_tensor, input_tensor, group, op)
 
     def reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                       layout: Optional[_Layout] = None) -> None:
+                       layout: Optional[Layout] = None) -> None:
         """One call (what FSDP's ``__call__`` does), with the module's ``layout`` when known."""
         from .comm._util import check_inputs, phase
 
@@ -415,7 +326,7 @@ class GradqReduceScatter:
                 bad = torch.isfinite(rows).logical_not_().sum()
                 rows = rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             elif hier or isinstance(self.quantizer, ErrorFeedback):   # (both need the count before encoding)
-                bad, rows = _screen(rows)
+                bad, rows = screen(rows)
         intra_bytes = 0
         if hier:
             with phase(info, "comm"):
@@ -462,7 +373,7 @@ class GradqReduceScatter:
         sent = (L - 1) * (N * S + 1) * rows.element_size()
         return recv[:-1].view(N, S), recv[-1].round().to(torch.int64), sent
 
-    def _encode_rows(self, rows: torch.Tensor, plan: _Plan, owners: list[int], rank: int, key: str,
+    def _encode_rows(self, rows: torch.Tensor, plan: Plan, owners: list[int], rank: int, key: str,
                      bad: Any) -> tuple[list[torch.Tensor], Optional[int], Any]:
         """Row ``j``'s payload for ``owners[j]``: [part lengths when variable] compressed parts, raw
         full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads, their
@@ -470,14 +381,14 @@ class GradqReduceScatter:
         screen finds non-finite values (it raises before encoding anything); the rows are then
         counted, cleaned and encoded again."""
         if bad is None:
-            n_bad, _ = _screen(plan.split(rows)[1])   # the raw values: no quantizer looks at them
+            n_bad, _ = screen(plan.split(rows)[1])   # the raw values: no quantizer looks at them
             if n_bad:
-                bad, rows = _screen(rows)
+                bad, rows = screen(rows)
             else:
                 try:
                     return self._encode_rows(rows, plan, owners, rank, key, 0)
                 except NonFiniteError:
-                    bad, rows = _screen(rows)
+                    bad, rows = screen(rows)
         from .comm import derive_seed
         from .comm._util import seal, seal_bytes
 
@@ -520,7 +431,7 @@ class GradqReduceScatter:
         fixed = None if variable else head + sum(fixed_parts) + raw + _FLAG + trailer  # type: ignore[arg-type]
         return bufs, fixed, bad
 
-    def _decode_sum(self, recv: torch.Tensor, recv_sizes: list[int], plan: _Plan, dtype: torch.dtype,
+    def _decode_sum(self, recv: torch.Tensor, recv_sizes: list[int], plan: Plan, dtype: torch.dtype,
                     device: torch.device, key: str, divide: Optional[int],
                     factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode the received payloads and reduce them, summed in rank order: divided by ``divide``
@@ -596,7 +507,7 @@ class GradqReduceScatter:
 
             Variable._execution_engine.queue_callback(self._end_step)
 
-    def _end_call(self, plan: _Plan, S: int, sent: int, intra: int, info: dict[str, Any], bad: torch.Tensor,
+    def _end_call(self, plan: Plan, S: int, sent: int, intra: int, info: dict[str, Any], bad: torch.Tensor,
                   bad_total: torch.Tensor, key: str, defer: bool) -> None:
         events = info.get("cuda_events")
         call = {"call": self.calls, "bytes_sent": sent, "intra_node_bytes": intra, "coords": S,
@@ -697,7 +608,7 @@ class _ModuleReduceScatter:
 
     def __init__(self, core: GradqReduceScatter, module: torch.nn.Module, key: str, names: Mapping[int, str]) -> None:
         self.core, self.module, self.key, self._names = core, module, key, names
-        self._layout: Optional[_Layout] = None
+        self._layout: Optional[Layout] = None
         self._read = False
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
