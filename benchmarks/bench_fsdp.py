@@ -36,21 +36,6 @@ HERE = os.path.abspath(__file__)
 SPECS = ["qsgd:bits=2,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512"]
 
 
-class TimedStock:
-    """FSDP2's own reduce-scatter (``reduce_scatter_single``), timed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        t = time.perf_counter()
-        dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
-        self.seconds += time.perf_counter() - t
-
-
 def _data(rank: int, world: int):
     from gradq.train.data import load_dataset
 
@@ -66,22 +51,14 @@ def _data(rank: int, world: int):
 
 def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: int, world: int,
           **kw: Any) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     import gradq
+    from gradq.fsdp import StockReduceScatter, shard
     from gradq.train.models import build_model
 
     x_tr, y_tr, x_te, y_te = data
-    model = build_model("mlp-wide", 784, 10, (28, 28), seed=0)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = shard(build_model("mlp-wide", 784, 10, (28, 28), seed=0))   # every Linear, then the root
     if spec is None:
-        comm: Any = TimedStock()
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_custom_reduce_scatter(comm)
+        comm: Any = StockReduceScatter().install(model)
         rs_seconds = lambda: comm.seconds  # noqa: E731
     else:
         comm = gradq.register(model, spec, seed=0, **kw)

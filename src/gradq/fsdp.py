@@ -60,7 +60,8 @@ float32 (``N−1`` payloads between nodes under ``intra_node="fp32"``, plus the 
 :func:`register` (also reached through :func:`gradq.register` with a ``fully_shard`` model) installs
 one :class:`GradqReduceScatter` on every FSDP module of a model. Its
 :meth:`~GradqReduceScatter.state_dict` (spec, settings, the call counter, residuals) continues a run's
-seeds on resume.
+seeds on resume. :class:`StockReduceScatter` is FSDP2's own reduce-scatter, timed (the baseline of
+``gradq train --fsdp`` and ``benchmarks/bench_fsdp.py``), and :func:`shard` the sharding both use.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ from .fsdp_layout import Layout, Plan, read_segments, screen
 from .quantizers.base import Quantizer
 from .transforms import ErrorFeedback
 
-__all__ = ["GradqReduceScatter", "register", "is_fsdp2", "INTRA_NODE"]
+__all__ = ["GradqReduceScatter", "StockReduceScatter", "register", "shard", "is_fsdp2", "INTRA_NODE"]
 
 logger = logging.getLogger(__name__)
 
@@ -645,3 +646,52 @@ def register(model: torch.nn.Module, spec: str | Quantizer, **kw: Any) -> GradqR
         if isinstance(m, FSDPModule):
             m.set_custom_reduce_scatter(_ModuleReduceScatter(comm, m, key or "<root>", names))  # type: ignore[arg-type]
     return comm
+
+
+class StockReduceScatter:
+    """FSDP2's own reduce-scatter, timed (the float32 baseline of ``gradq train --fsdp`` and the
+    benchmark): ``seconds`` and ``bytes`` (what a ring reduce-scatter sends, ``(W−1)/W`` of its
+    input) accumulate; :meth:`take` returns and resets them. Install it with :meth:`install`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        import time
+
+        t = time.perf_counter()
+        _reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group)
+        if output_tensor.device.type == "cuda":
+            torch.cuda.synchronize(output_tensor.device)
+        self.seconds += time.perf_counter() - t
+        self.bytes += (group.size() - 1) * output_tensor.numel() * output_tensor.element_size()
+
+    def take(self) -> tuple[float, int]:
+        """Seconds and bytes since the last call."""
+        out = (self.seconds, self.bytes)
+        self.seconds, self.bytes = 0.0, 0
+        return out
+
+    def install(self, model: torch.nn.Module) -> "StockReduceScatter":
+        """Set on every FSDP module of ``model``; returns itself."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(self)  # type: ignore[arg-type]
+        return self
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 (``fully_shard``) on every submodule that holds parameters of its own, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in list(model.modules())[1:]:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    return fully_shard(model)

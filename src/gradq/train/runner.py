@@ -291,47 +291,9 @@ def _install(ddp: nn.parallel.DistributedDataParallel, cfg: TrainConfig, world: 
     return None, clock, lambda step: _ring_bytes(numel if step < opts["start"] else compressed, world)
 
 
-class _TimedReduceScatter:
-    """Stock FSDP2's reduce-scatter, timed, with the bytes a ring reduce-scatter sends: ``(W−1)/W`` of its input."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.bytes = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> None:
-        from ..fsdp import _reduce_scatter_single
-
-        t = time.perf_counter()
-        _reduce_scatter_single()(output_tensor, input_tensor, op=op, group=group)
-        if output_tensor.device.type == "cuda":
-            torch.cuda.synchronize(output_tensor.device)
-        self.seconds += time.perf_counter() - t
-        self.bytes += (group.size() - 1) * output_tensor.numel() * output_tensor.element_size()
-
-    def take(self) -> tuple[float, int]:
-        """Seconds and bytes since the last call."""
-        out = (self.seconds, self.bytes)
-        self.seconds, self.bytes = 0.0, 0
-        return out
-
-
-def _shard_fsdp(model: nn.Module) -> nn.Module:
-    """FSDP2 on every submodule that holds parameters of its own, then on the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for m in list(model.modules())[1:]:
-        if any(True for _ in m.parameters(recurse=False)):
-            fully_shard(m)
-    return fully_shard(model)
-
-
-def _install_fsdp(model: nn.Module, cfg: TrainConfig) -> tuple[Any, Optional[_TimedReduceScatter]]:
+def _install_fsdp(model: nn.Module, cfg: TrainConfig) -> tuple[Any, Any]:
     """gradq's reduce-scatter (returns its instance) or stock FSDP2's, timed (returns the clock)."""
-    from torch.distributed.fsdp import FSDPModule
+    from ..fsdp import StockReduceScatter
 
     if baseline_kind(cfg.compressor)[0] == "gradq":
         import gradq
@@ -341,11 +303,7 @@ def _install_fsdp(model: nn.Module, cfg: TrainConfig) -> tuple[Any, Optional[_Ti
         q = gradq.build(cfg.compressor)   # load the scheme's compiled kernels now, not inside the first step
         q.decode(q.encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)), seed=0))
         return comm, None
-    clock = _TimedReduceScatter()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_reduce_scatter(clock)  # type: ignore[arg-type]
-    return None, clock
+    return None, StockReduceScatter().install(model)
 
 
 def train_worker(cfg: TrainConfig, out_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
@@ -395,9 +353,11 @@ def _train(cfg: TrainConfig, out: Path, load_dataset, build_model, version: str)
     data = load_dataset(cfg.data, seed=cfg.seed, test_fraction=cfg.test_fraction)
     model = build_model(cfg.model, data.num_features, data.num_classes, data.image_shape, seed=cfg.seed).to(device)
     numel = sum(p.numel() for p in model.parameters())
-    rs_clock: Optional[_TimedReduceScatter] = None
+    rs_clock: Any = None
     if cfg.fsdp:
-        ddp: nn.Module = _shard_fsdp(model)
+        from ..fsdp import shard
+
+        ddp: nn.Module = shard(model)
         state, rs_clock = _install_fsdp(ddp, cfg)
         clock = fixed_bytes = None
     else:
