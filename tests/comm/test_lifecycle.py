@@ -72,6 +72,49 @@ def test_import_gradq_under_a_launcher_loads_dynamo_first():
     assert got["dynamo"] is False  # plain scripts and the CLI do not pay the import
 
 
+_AT_EXIT = textwrap.dedent("""
+    import atexit, json, sys
+
+    def report():   # registered before gradq is imported, so it runs after gradq's own handler
+        from gradq.comm import lifecycle
+        print(json.dumps({"gloo": lifecycle.gloo_threads()}), flush=True)
+
+    atexit.register(report)
+    import torch, torch.distributed as dist
+    import gradq
+    if sys.argv[1] == "off":
+        gradq.comm.lifecycle.exit_teardown(False)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+
+    class Trainer:   # a framework's trainer: holds the DDP model in a reference cycle, never destroys
+        pass
+
+    t = Trainer()
+    t.me, t.model = t, torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    t.model(torch.randn(3, 4)).sum().backward()
+    del t
+    if sys.argv[1] == "raise":
+        raise SystemError("an uncaught exception ends the script")
+""")
+
+
+def test_exit_teardown_leaves_no_gloo_thread_for_scripts_that_never_tear_down(tmp_path):
+    """What frameworks do (Lightning on gloo, Accelerate, the Trainer): the group is never destroyed and
+    the DDP model lives on in a cycle. gradq's atexit handler collects it and destroys the group, so no
+    gloo thread is alive when the interpreter finalizes. Turned off, the 3 threads are still there
+    (the check can fail); after an uncaught exception the handler leaves the group alone on purpose."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1")
+    procs = {case: subprocess.Popen([sys.executable, "-c", _AT_EXIT, case, str(tmp_path / f"rdv-{case}")],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for case in ("on", "off", "raise")}
+    got = {}
+    for case, p in procs.items():
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == (1 if case == "raise" else 0), err[-3000:]
+        got[case] = json.loads(out.strip().splitlines()[-1])["gloo"]
+    assert got == {"on": 0, "off": 3, "raise": 3}
+
+
 def test_comm_lane_stops_joins_and_restarts():
     lane = scatter_mod._lane()
     assert lane.submit(lambda: 41 + 1).result(timeout=10) == 42

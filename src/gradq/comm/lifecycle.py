@@ -23,6 +23,18 @@ exists (``import gradq`` does it itself when a launcher has set ``RANK``/``WORLD
 interpreter is fully alive, after which no gloo thread is left to race with the exit.
 :func:`native_threads` lists a process's threads by name, which is how the tests check it.
 
+**At exit, for scripts that never tear down.** Frameworks leave a gloo group alive at exit: Lightning
+destroys its group at exit only on NCCL, and Accelerate and the Transformers Trainer not at all, and
+their trainer objects (which hold the DDP model, which holds the group) live on in reference cycles
+after ``fit`` returns. Such a process can abort at exit like the above (measured: the Lightning example
+under torchrun, once in a CI run). So importing gradq also registers :func:`_exit_teardown` with
+:mod:`atexit`: once the script has ended normally and Python has joined its threads, it runs
+:func:`teardown` when the default group is still initialized and uses gloo. An exit by an uncaught
+exception is left alone (a gloo thread may be blocked in a collective its peers never join, and
+joining it would hang the exit for the group's timeout). Turn it off with :func:`exit_teardown`
+``(False)`` or ``GRADQ_EXIT_TEARDOWN=0``, e.g. when an ``atexit`` handler of your own, registered
+before gradq was imported, still uses the group.
+
 gradq's own threads: the scatter protocol's communication lane (``gradq-comm``) is stopped and joined
 by :func:`stop_threads`, which also runs automatically before interpreter shutdown (registered with
 ``threading``'s pre-shutdown hooks, the mechanism ``concurrent.futures`` uses); the ORQ/Linear kernels'
@@ -31,19 +43,22 @@ pool (``gradq-levels``) is a ``concurrent.futures`` pool that Python joins at ex
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import threading
 from collections import Counter
 from typing import Any, Callable
 
-__all__ = ["before_init", "teardown", "stop_threads", "native_threads", "GLOO_THREADS", "on_stop"]
+__all__ = ["before_init", "teardown", "stop_threads", "native_threads", "GLOO_THREADS", "on_stop",
+           "exit_teardown"]
 
 #: names of the native threads a gloo process group runs (its work loop and its TCP event loop)
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 _STOPPERS: list[Callable[[], None]] = []
 _LOCK = threading.Lock()
+_EXIT_TEARDOWN = os.environ.get("GRADQ_EXIT_TEARDOWN", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def before_init() -> None:
@@ -116,12 +131,47 @@ def _register_pre_shutdown(fn: Callable[[], Any]) -> None:
             return
         except RuntimeError:  # already shutting down
             return
-    import atexit
-
     atexit.register(fn)
 
 
+def exit_teardown(enabled: bool) -> None:
+    """Turn the teardown at exit on or off for this process (on by default; see the module
+    docstring). ``GRADQ_EXIT_TEARDOWN=0`` in the environment turns it off from the start."""
+    global _EXIT_TEARDOWN
+    _EXIT_TEARDOWN = bool(enabled)
+
+
+def _gloo_group_alive() -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        backend = str(dist.get_backend())
+    except Exception:  # a group in a state we cannot read: leave it to its owner
+        return False
+    return "gloo" in backend.lower()
+
+
+def _exit_teardown() -> None:
+    """:mod:`atexit` handler: :func:`teardown` a gloo default group the script left alive."""
+    import sys
+
+    if not _EXIT_TEARDOWN or "torch.distributed" not in sys.modules:
+        return
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return   # ended by an uncaught exception: a gloo thread may be blocked in a collective
+    try:
+        if _gloo_group_alive():
+            teardown()
+        else:
+            stop_threads()
+    except Exception:  # never turn a clean exit into a failing one
+        pass
+
+
 _register_pre_shutdown(stop_threads)
+atexit.register(_exit_teardown)
 
 
 def _launched_worker() -> bool:
