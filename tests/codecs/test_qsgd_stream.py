@@ -15,6 +15,7 @@ from gradq_testing import ref_omega
 from gradq import PayloadError, SpecError
 from gradq.codecs.bitpack import unpack_bits
 from gradq.codecs.elias import omega_encode
+from gradq.codecs.qsgd_chunks import index_len
 from gradq.codecs.qsgd_stream import decode_stream, encode_stream, layout_nbits, stream_nbits
 
 
@@ -237,10 +238,10 @@ def test_nbytes_is_header_plus_stream_scales_crc(spec, n):
     q = gradq.build(spec)
     p = q.encode(torch.randn(n, generator=torch.Generator().manual_seed(n)), seed=0)
     B = 0 if n == 0 else (1 if q.bucket is None else -(-n // q.bucket))
-    assert p.nbytes == (16 + 5 * 3) + p["stream"].numel() + 4 * B + 4 == len(p.to_bytes())
+    assert p.nbytes == (16 + 5 * 4) + p["stream"].numel() + 8 * index_len(n) + 4 * B + 4 == len(p.to_bytes())
     assert p["stream"].numel() == (stream_nbits(decode_stream(p["stream"], n, q.s), q.coding.replace(
         "elias-", "").replace("elias", "auto")) + 7) // 8
-    assert q.expected_nbytes(n) is None and q.wire_fields(n) == ("stream", "scales", "crc")
+    assert q.expected_nbytes(n) is None and q.wire_fields(n) == ("stream", "index", "scales", "crc")
 
 
 def test_spec_and_levels_limits():
@@ -285,7 +286,8 @@ def test_payload_detects_every_stream_corruption(spec, seed, n, kind, where, ext
         stream[(where // 8) % stream.numel()] ^= 1 << (where % 8)
     else:
         crc ^= 1 << (where % 32)
-    bad = gradq.Payload(p.spec, p.shape, p.dtype, p.numel, {"stream": stream, "scales": p["scales"], "crc": crc})
+    bad = gradq.Payload(p.spec, p.shape, p.dtype, p.numel,
+                        {"stream": stream, "index": p["index"], "scales": p["scales"], "crc": crc})
     with pytest.raises(PayloadError):
         q.decode(bad)
     if stream.numel():
@@ -298,10 +300,13 @@ def test_payload_field_checks():
     p = q.encode(torch.randn(100), seed=0)
     f = dict(p.fields)
     for bad in ({"stream": f["stream"], "scales": f["scales"]},
+                {"stream": f["stream"], "scales": f["scales"], "crc": f["crc"]},   # no index
                 {**f, "scales": f["scales"].double()},
                 {**f, "crc": f["crc"].repeat(2)},
+                {**f, "index": torch.zeros(3, dtype=torch.int64)},             # 100 values: an empty index
+                {**f, "index": f["index"].int()},
                 {**f, "stream": torch.zeros(0, dtype=torch.uint8)},
-                {"scales": f["scales"], "stream": f["stream"], "crc": f["crc"]}):
+                {"scales": f["scales"], "stream": f["stream"], "index": f["index"], "crc": f["crc"]}):
         with pytest.raises(PayloadError):
             q.decode(gradq.Payload(p.spec, p.shape, p.dtype, p.numel, bad))
 
@@ -456,6 +461,8 @@ def test_tensor_built_streams_are_the_serial_writers(seed):
     codes[torch.rand(n, generator=g) >= density] = 0
     fields = (codes + s).to(torch.uint8)
     for layout in ("auto", "sparse", "dense"):
-        assert torch.equal(encode_fields_stream_torch(fields, s, layout), encode_fields_stream(fields, s, layout))
+        got, want = encode_fields_stream_torch(fields, s, layout, index=True), encode_fields_stream(fields, s, layout,
+                                                                                                     index=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="lie in"):
         encode_fields_stream_torch(torch.full((2,), 2 * s + 1, dtype=torch.uint8), s)

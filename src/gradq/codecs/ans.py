@@ -24,7 +24,7 @@ def crc_field(*parts: torch.Tensor) -> torch.Tensor:
     """CRC-32 of the parts' bytes, in order, as one int32 (same bits as the unsigned checksum)."""
     crc = 0
     for t in parts:
-        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
     return torch.tensor([crc - (1 << 32) if crc >= (1 << 31) else crc], dtype=torch.int32)
 
 

@@ -61,6 +61,7 @@ ERR_EXTRA = 4
 ERR_GAP = 5
 ERR_CODE = 6
 ERR_NNZ = 7
+ERR_INDEX = 8
 
 _MESSAGES = {
     ERR_TRUNCATED: "truncated: the stream ends inside a code",
@@ -70,6 +71,7 @@ _MESSAGES = {
     ERR_GAP: "a gap runs past the end of the vector",
     ERR_CODE: "a code's magnitude exceeds s",
     ERR_NNZ: "more nonzeros than coordinates",
+    ERR_INDEX: "the chunk index does not match the stream",
 }
 
 ArrayLike = Union[np.ndarray, torch.Tensor, list]

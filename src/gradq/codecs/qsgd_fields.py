@@ -4,17 +4,16 @@ The stream format is :mod:`gradq.codecs.qsgd_stream`'s, byte for byte; only the 
 fixed-width kernels write the codes as one byte per value, and this module streams those bytes
 without widening them:
 
-* **Lengths.** One pass in parallel over chunks finds both layouts' sizes. Each chunk sums the dense
-  bits and the sparse bits of its values, leaving out the first gap, and keeps its first and last
-  nonzero positions. The gaps across chunks are added in order afterwards.
-* **Writing.** Table-driven: the bits of each field's "sign + omega(|c|)" (sparse) or "omega(|c| + 1)
-  + sign" (dense) come from 256-entry tables, and those of a gap from :mod:`gradq.codecs.elias`'s
-  table. They are shifted into a 64-bit accumulator and flushed 32 bits at a time.
+* **Tables.** The bits of each field's "sign + omega(|c|)" (sparse) or "omega(|c| + 1) + sign" (dense)
+  come from 256-entry tables (:func:`field_tables`), and those of a gap from
+  :mod:`gradq.codecs.elias`'s table; the writers (:mod:`gradq.codecs.qsgd_chunks`) shift them into a
+  64-bit accumulator and flush 32 bits at a time.
 * **Reading.** Table-driven too: one look-up in a 4,096-entry table decodes a whole item that fits
   12 bits (a sparse item's gap, sign and magnitude; a dense item's magnitude and sign). Other items
   go code by code (a 12-bit table, then :func:`gradq.codecs.elias.read_omega` for longer codes).
   Every bound of the strict decoder is checked: truncation, gaps past ``n``, ``|c| > s``, non-zero
-  padding and extra bytes.
+  padding and extra bytes. :func:`read_sparse` and :func:`read_dense` read a range of items, which is
+  what the chunk-parallel reader of :mod:`gradq.codecs.qsgd_chunks` runs per chunk.
 
 :func:`gradq.codecs.qsgd_stream.encode_fields_stream` and ``decode_fields_stream`` call these.
 """
@@ -25,8 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .elias import (_OMEGA_CODE, _OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_NNZ, ERR_TRUNCATED, OK, check_tail,
-                    flush, omega_len, omega_pieces, read_omega)
+from .elias import (_OMEGA_CODE, _OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK,
+                    check_tail, read_omega)
 
 try:
     import numba as _numba
@@ -41,8 +40,7 @@ except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.cod
     _pjit = _jit
     prange = range
 
-__all__ = ["field_tables", "item_tables", "fields_lengths", "write_fields_sparse", "write_fields_dense",
-           "read_fields_fast"]
+__all__ = ["field_tables", "item_tables", "read_sparse", "read_dense", "read_fields_fast"]
 
 _CHUNK = 1 << 18
 
@@ -98,62 +96,6 @@ _DEC_VAL, _DEC_LEN = _decode_table()
 
 
 @_jit
-def _olen(k: int) -> int:
-    return _OMEGA_LEN[k] if k < _SMALL else omega_len(k)
-
-
-@_pjit
-def fields_lengths(f: np.ndarray, s: int, sl: np.ndarray, dl: np.ndarray):
-    """``(sparse body bits, dense body bits, number of fields above 2s, number of nonzero codes)`` of
-    the fields ``f``."""
-    n = f.shape[0]
-    nch = (n + _CHUNK - 1) // _CHUNK
-    dense = np.zeros(nch, np.int64)
-    sparse = np.zeros(nch, np.int64)
-    nnz = np.zeros(nch, np.int64)
-    first = np.full(nch, -1, np.int64)
-    last = np.full(nch, -1, np.int64)
-    bad = np.zeros(nch, np.int64)
-    top = 2 * s
-    for c in prange(nch):
-        e0 = c * _CHUNK
-        e1 = min(n, e0 + _CHUNK)
-        d = 0
-        sp = 0
-        z = 0
-        fst = -1
-        lst = -1
-        b = 0
-        for i in range(e0, e1):  # (selects, not branches, on v != s: the branch would mispredict)
-            v = np.int64(f[i])
-            b += v > top
-            d += dl[v]
-            nz = v != s
-            g = i - lst
-            gl = _OMEGA_LEN[g] if g < _SMALL else omega_len(g)
-            sp += (sl[v] + (gl if lst >= 0 else 0)) if nz else 0
-            fst = i if (nz and fst < 0) else fst
-            z += nz
-            lst = i if nz else lst
-        dense[c] = d
-        sparse[c] = sp
-        nnz[c] = z
-        first[c] = fst
-        last[c] = lst
-        bad[c] = b
-    total_sparse = 0
-    total_nnz = 0
-    prev = -1
-    for c in range(nch):
-        total_sparse += sparse[c]
-        total_nnz += nnz[c]
-        if first[c] >= 0:
-            total_sparse += _olen(first[c] - prev)
-            prev = last[c]
-    return total_sparse + omega_len(total_nnz + 1), dense.sum(), bad.sum(), total_nnz
-
-
-@_jit
 def _put_pieces(buf: np.ndarray, o: int, acc: int, nacc: int, p):
     """Append up to three ``(code, bits)`` pieces of :func:`omega_pieces` to the accumulator,
     flushing whole 32-bit words; ``(o, acc, nacc)`` after. For the rare long codes only: the hot
@@ -173,72 +115,6 @@ def _put_pieces(buf: np.ndarray, o: int, acc: int, nacc: int, p):
                 o += 4
                 acc &= (1 << nacc) - 1
     return o, acc, nacc
-
-
-# The writers flush whole 32-bit words inline, as gradq.codecs.qsgd_stream's do: the same block in a
-# helper returning (o, acc, nacc), even inlined, made the sparse writer 1.7x slower (measured: 25M
-# values, 147 ms against 253 ms).
-@_jit
-def write_fields_sparse(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, nnz: int, buf: np.ndarray) -> int:
-    """Flag 0, Elias(nnz + 1), then per nonzero Elias(gap), its sign and Elias(|c|); returns the
-    bytes written."""
-    # the flag bit (0 = sparse), then Elias(nnz + 1)
-    o, acc, nacc = _put_pieces(buf, 0, 0, 1, omega_pieces(nnz + 1))
-    last = -1
-    for i in range(f.shape[0]):
-        v = np.int64(f[i])
-        if v == s:
-            continue
-        g = i - last
-        last = i
-        if g < _SMALL:
-            acc = (acc << _OMEGA_LEN[g]) | _OMEGA_CODE[g]
-            nacc += _OMEGA_LEN[g]
-        else:  # a gap past the table (rare): its pieces
-            o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(g))
-        if nacc >= 32:
-            nacc -= 32
-            w = acc >> nacc
-            buf[o] = (w >> 24) & 0xFF
-            buf[o + 1] = (w >> 16) & 0xFF
-            buf[o + 2] = (w >> 8) & 0xFF
-            buf[o + 3] = w & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-        acc = (acc << sl[v]) | sc[v]
-        nacc += sl[v]
-        if nacc >= 32:
-            nacc -= 32
-            w = acc >> nacc
-            buf[o] = (w >> 24) & 0xFF
-            buf[o + 1] = (w >> 16) & 0xFF
-            buf[o + 2] = (w >> 8) & 0xFF
-            buf[o + 3] = w & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-    return flush(buf, o, acc, nacc)
-
-
-@_jit
-def write_fields_dense(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, buf: np.ndarray) -> int:
-    """Flag 1, then per value Elias(|c| + 1) and, for ``c ≠ 0``, the sign; returns the bytes written."""
-    o = 0
-    acc = 1  # the flag bit, 1 = dense
-    nacc = 1
-    for i in range(f.shape[0]):
-        v = np.int64(f[i])
-        acc = (acc << dl[v]) | dc[v]
-        nacc += dl[v]
-        if nacc >= 32:
-            nacc -= 32
-            w = acc >> nacc
-            buf[o] = (w >> 24) & 0xFF
-            buf[o + 1] = (w >> 16) & 0xFF
-            buf[o + 2] = (w >> 8) & 0xFF
-            buf[o + 3] = w & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-    return flush(buf, o, acc, nacc)
 
 
 @_jit
@@ -314,12 +190,85 @@ def _peek(pad: np.ndarray, p: int) -> int:
 
 
 @_jit
+def read_sparse(buf: np.ndarray, pad: np.ndarray, p: int, end: int, pos: int, count: int, lo: int, hi: int, s: int,
+                tab: np.ndarray, out: np.ndarray):
+    """``count`` sparse items from bit ``p`` (bits below ``end``), after the nonzero at 1-based
+    position ``pos``; each lands in ``(lo, hi]`` (1-based) and writes its field to ``out``:
+    ``(err, bit position, last position)``. One table look-up per item where the item fits the window;
+    any other item (long gaps, large magnitudes, damage) goes through the exact per-code path
+    (:func:`_omega`), which reports the strict decoder's errors and positions."""
+    k = 0
+    while k < count:
+        e = np.int64(tab[_peek(pad, p)])
+        ln = e & 31
+        if ln and p + ln <= end:
+            gap = e >> 13
+            if gap <= hi - pos:
+                pos += gap
+                out[pos - 1] = (e >> 5) & 0xFF
+                p += ln
+                k += 1
+                if pos <= lo:   # (only the first item can land before the range)
+                    return ERR_INDEX, p, pos
+                continue
+        gap, p, err = _omega(buf, pad, p, end)
+        if err != OK:
+            return err, p, pos
+        if gap > hi - pos:
+            return ERR_GAP, p, pos
+        pos += gap
+        if pos <= lo:
+            return ERR_INDEX, p, pos
+        if p >= end:
+            return ERR_TRUNCATED, p, pos
+        neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
+        mag, p, err = _omega(buf, pad, p + 1, end)
+        if err != OK:
+            return err, p, pos
+        if mag > s:
+            return ERR_CODE, p, pos
+        out[pos - 1] = s - mag if neg else s + mag
+        k += 1
+    return OK, p, pos
+
+
+@_jit
+def read_dense(buf: np.ndarray, pad: np.ndarray, p: int, end: int, lo: int, hi: int, s: int, tab: np.ndarray,
+               out: np.ndarray):
+    """The dense items of values ``lo … hi − 1`` from bit ``p`` (bits below ``end``) into ``out``:
+    ``(err, bit position)``; table-driven as :func:`read_sparse`."""
+    i = lo
+    while i < hi:
+        e = np.int64(tab[_peek(pad, p)])
+        ln = e & 31
+        if ln and p + ln <= end:
+            out[i] = e >> 5
+            p += ln
+            i += 1
+            continue
+        v, p, err = _omega(buf, pad, p, end)
+        if err != OK:
+            return err, p
+        mag = v - 1
+        if mag > s:
+            return ERR_CODE, p
+        if mag != 0:
+            if p >= end:
+                return ERR_TRUNCATED, p
+            neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
+            p += 1
+            out[i] = s - mag if neg else s + mag
+        else:
+            out[i] = s
+        i += 1
+    return OK, p
+
+
+@_jit
 def read_fields_fast(buf: np.ndarray, pad: np.ndarray, n: int, s: int, sparse_tab: np.ndarray,
                      dense_tab: np.ndarray, out: np.ndarray):
-    """Decode ``c + s`` into ``out[:n]``, which holds ``s`` everywhere: ``(err, bit position)``. One
-    table look-up per item where the item fits the window; any other item (long gaps, large
-    magnitudes, damage) goes through the exact per-code path (:func:`_omega`), which reports the
-    strict decoder's errors and positions."""
+    """Decode a whole stream (no index) as ``c + s`` into ``out[:n]``, which holds ``s`` everywhere:
+    ``(err, bit position)``, on one thread."""
     end = buf.shape[0] * 8
     if end == 0:
         return ERR_TRUNCATED, 0
@@ -332,56 +281,9 @@ def read_fields_fast(buf: np.ndarray, pad: np.ndarray, n: int, s: int, sparse_ta
         nnz = v - 1
         if nnz > n:
             return ERR_NNZ, p
-        pos = 0
-        k = 0
-        while k < nnz:
-            e = np.int64(sparse_tab[_peek(pad, p)])
-            ln = e & 31
-            if ln and p + ln <= end:
-                gap = e >> 13
-                if gap <= n - pos:
-                    pos += gap
-                    out[pos - 1] = (e >> 5) & 0xFF
-                    p += ln
-                    k += 1
-                    continue
-            gap, p, err = _omega(buf, pad, p, end)
-            if err != OK:
-                return err, p
-            if gap > n - pos:
-                return ERR_GAP, p
-            pos += gap
-            if p >= end:
-                return ERR_TRUNCATED, p
-            neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
-            mag, p, err = _omega(buf, pad, p + 1, end)
-            if err != OK:
-                return err, p
-            if mag > s:
-                return ERR_CODE, p
-            out[pos - 1] = s - mag if neg else s + mag
-            k += 1
+        err, p, pos = read_sparse(buf, pad, p, end, 0, nnz, 0, n, s, sparse_tab, out)
     else:
-        i = 0
-        while i < n:
-            e = np.int64(dense_tab[_peek(pad, p)])
-            ln = e & 31
-            if ln and p + ln <= end:
-                out[i] = e >> 5
-                p += ln
-                i += 1
-                continue
-            v, p, err = _omega(buf, pad, p, end)
-            if err != OK:
-                return err, p
-            mag = v - 1
-            if mag > s:
-                return ERR_CODE, p
-            if mag != 0:
-                if p >= end:
-                    return ERR_TRUNCATED, p
-                neg = (np.int64(pad[p >> 3]) >> (7 - (p & 7))) & 1
-                p += 1
-                out[i] = s - mag if neg else s + mag
-            i += 1
+        err, p = read_dense(buf, pad, p, end, 0, n, s, dense_tab, out)
+    if err != OK:
+        return err, p
     return check_tail(buf, p), p

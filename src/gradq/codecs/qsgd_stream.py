@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import PayloadError
-from .elias import (_OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_NNZ, ERR_TRUNCATED, MAX_VALUE, OK, _jit,
+from .elias import (_OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, MAX_VALUE, OK, _jit,
                     check_tail, flush, omega_len, omega_pieces, raise_for_error, read_omega)
 
 __all__ = ["encode_stream", "decode_stream", "encode_fields_stream", "decode_fields_stream", "stream_nbits",
@@ -242,8 +242,46 @@ def stream_nbits(codes: Codes, layout: str = "auto") -> int:
     return 1 + {"sparse": sparse, "dense": dense, "auto": min(sparse, dense)}[layout]
 
 
-def encode_stream(codes: Codes, s: int, layout: str = "auto") -> torch.Tensor:
-    """Encode integer codes in ``[−s, s]`` (any shape, flattened) as a CPU ``uint8`` stream.
+@_jit
+def _codes_index(codes: np.ndarray, sparse: bool, start: int, chunk: int) -> np.ndarray:
+    """The chunk index (:mod:`gradq.codecs.qsgd_chunks`) of the stream of ``codes`` whose items start
+    at bit ``start``."""
+    n = codes.shape[0]
+    nch = (n + chunk - 1) // chunk
+    idx = np.empty(3 * max(0, nch - 1), np.int64)
+    p = start
+    k = 0
+    last = 0
+    for i in range(n):
+        if i > 0 and i % chunk == 0:
+            r = 3 * (i // chunk - 1)
+            idx[r] = p
+            idx[r + 1] = k
+            idx[r + 2] = last
+        c = int(codes[i])
+        m = c if c > 0 else -c
+        if sparse:
+            if m:
+                p += omega_len(i + 1 - last) + 1 + omega_len(m)
+                k += 1
+                last = i + 1
+        else:
+            p += omega_len(m + 1) + (1 if m else 0)
+            k += 1
+            last = i + 1
+    return idx
+
+
+def _index_of(arr: np.ndarray, sparse: bool) -> np.ndarray:
+    from .qsgd_chunks import CHUNK
+
+    start = 1 + (omega_len(int(np.count_nonzero(arr)) + 1) if sparse else 0)
+    return _codes_index(arr, sparse, start, CHUNK)
+
+
+def encode_stream(codes: Codes, s: int, layout: str = "auto", *, index: bool = False):
+    """Encode integer codes in ``[−s, s]`` (any shape, flattened) as a CPU ``uint8`` stream; with
+    ``index=True``, ``(stream, chunk index)`` (int64, see :mod:`gradq.codecs.qsgd_chunks`).
 
     >>> encode_stream(torch.tensor([0, 0, -1, 0, 2]), s=2, layout="sparse").tolist()
     [86, 144]
@@ -260,13 +298,18 @@ def encode_stream(codes: Codes, s: int, layout: str = "auto") -> torch.Tensor:
     buf = np.zeros((nbits + 7) // 8, dtype=np.uint8)
     end = _write_sparse(arr, buf) if sparse else _write_dense(arr, buf)
     assert end == buf.shape[0], "internal error: stream length mismatch"
+    if index:
+        return torch.from_numpy(buf), torch.from_numpy(_index_of(arr, sparse))
     return torch.from_numpy(buf)
 
 
-def decode_stream(stream: Union[torch.Tensor, np.ndarray, bytes], n: int, s: int) -> torch.Tensor:
+def decode_stream(stream: Union[torch.Tensor, np.ndarray, bytes], n: int, s: int, *,
+                  index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exactly ``n`` int32 codes in ``[−s, s]`` from an :func:`encode_stream` stream (CPU tensor).
 
-    Raises :class:`PayloadError` (naming the cause and bit position) on any malformed stream."""
+    Raises :class:`PayloadError` (naming the cause and bit position) on any malformed stream, or when
+    ``index`` is given and is not the stream's chunk index (this reader is serial: it checks the index
+    and does not use it)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s < (1 << 31):
@@ -283,52 +326,60 @@ def decode_stream(stream: Union[torch.Tensor, np.ndarray, bytes], n: int, s: int
             raise PayloadError(f"a QSGD stream must be uint8 bytes, got {buf.dtype}")
     buf = np.ascontiguousarray(buf.reshape(-1))
     out = np.zeros(n, dtype=np.int32)
-    err, pos, _ = _read(buf, n, s, out)
+    err, pos, flag = _read(buf, n, s, out)
     raise_for_error(int(err), int(pos), "QSGD stream")
+    if index is not None and not np.array_equal(_index_array(index), _index_of(out, flag == 0)):
+        raise_for_error(ERR_INDEX, 0, "QSGD stream")
     return torch.from_numpy(out)
 
 
-def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> torch.Tensor:
+def _index_array(index: torch.Tensor) -> np.ndarray:
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
+        raise PayloadError("a QSGD stream's chunk index must be an int64 tensor")
+    return np.ascontiguousarray(index.detach().cpu().reshape(-1).numpy())
+
+
+def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto", *, index: bool = False):
     """:func:`encode_stream` of the codes ``fields − s``, given as uint8 fields ``c + s`` (``s ≤
-    127``: what the fixed-width kernels write at 8 bits), without widening them to integers."""
+    127``: what the fixed-width kernels write at 8 bits), without widening them to integers; written
+    in parallel by chunks (:mod:`gradq.codecs.qsgd_chunks`). With ``index=True``, ``(stream, chunk
+    index)``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not valid; expected one of {', '.join(LAYOUTS)}")
     if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
         raise TypeError("fields must be a uint8 tensor")
-    from . import qsgd_fields as F
+    from .qsgd_chunks import encode_fields
 
     arr = fields.detach().cpu().reshape(-1).contiguous().numpy()
-    sc, sl, dc, dl = F.field_tables(s)
-    sparse_bits, dense_bits, bad, nnz = (int(v) for v in F.fields_lengths(arr, s, sl, dl))
-    if bad:
-        raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
-    sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
-    buf = np.empty((1 + (sparse_bits if sparse else dense_bits) + 7) // 8, dtype=np.uint8)
-    if sparse:
-        end = F.write_fields_sparse(arr, s, sc, sl, nnz, buf)
-    else:
-        end = F.write_fields_dense(arr, dc, dl, buf)
-    assert end == buf.shape[0], "internal error: stream length mismatch"
-    return torch.from_numpy(buf)
+    buf, idx = encode_fields(arr, s, layout)
+    return (torch.from_numpy(buf), torch.from_numpy(idx)) if index else torch.from_numpy(buf)
 
 
-def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`decode_stream` as uint8 fields ``c + s`` (``s ≤ 127``), into ``out`` when given."""
+def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[torch.Tensor] = None, *,
+                         index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decode_stream` as uint8 fields ``c + s`` (``s ≤ 127``), into ``out`` when given. With the
+    stream's chunk ``index``, the chunks are decoded in parallel and the index is checked against the
+    stream; without it, on one thread."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
         raise PayloadError("a QSGD stream must be uint8 bytes")
-    from .qsgd_fields import item_tables, read_fields_fast
-
     buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
-    pad = np.zeros(buf.size + 3, np.uint8)  # (the table-driven reader looks 3 bytes ahead)
-    pad[:buf.size] = buf
     res = torch.empty(n, dtype=torch.uint8) if out is None else out
     arr = res.numpy()
+    if index is not None:
+        from .qsgd_chunks import decode_fields
+
+        decode_fields(buf, n, s, _index_array(index), arr)
+        return res
+    from .qsgd_fields import item_tables, read_fields_fast
+
+    pad = np.zeros(buf.size + 3, np.uint8)  # (the table-driven reader looks 3 bytes ahead)
+    pad[:buf.size] = buf
     arr.fill(s)
     err, pos = read_fields_fast(buf, pad, n, s, *item_tables(s), arr)
     raise_for_error(int(err), int(pos), "QSGD stream")

@@ -13,8 +13,9 @@ parallel instead of by a bit-serial writer:
 4. the words are written out big-endian.
 
 Only the stream's length is read on the host, to size the output (and, for the sparse layout, the
-number of nonzeros). So an encode on a GPU no longer copies the codes to the CPU. Decoding stays
-:func:`gradq.codecs.qsgd_stream.decode_fields_stream` (a bit-serial read).
+number of nonzeros). So an encode on a GPU no longer copies the codes to the CPU. The chunk index
+(:mod:`gradq.codecs.qsgd_chunks`) is read off the same prefix sums at the chunk starts. Decoding stays
+:func:`gradq.codecs.qsgd_stream.decode_fields_stream` on the CPU (chunk-parallel with the index).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from .elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
+from .qsgd_fields import _CHUNK as CHUNK
 
 __all__ = ["encode_fields_stream_torch"]
 
@@ -70,9 +72,10 @@ def _place(words: torch.Tensor, value: torch.Tensor, length: torch.Tensor, offse
         words.scatter_add_(0, w0 + j, part)
 
 
-def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto") -> torch.Tensor:
+def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto", *, index: bool = False):
     """The Elias stream of the codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) as a uint8 tensor
-    on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`."""
+    on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`; with
+    ``index=True``, ``(stream, chunk index)`` (:mod:`gradq.codecs.qsgd_chunks`), also on the device."""
     if layout not in ("auto", "sparse", "dense"):
         raise ValueError(f"layout={layout!r} is not valid; expected one of auto, sparse, dense")
     if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
@@ -102,6 +105,8 @@ def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto
     nbits = sparse_bits if sparse else dense_bits
     nbytes = (nbits + 7) // 8
     words = torch.zeros((nbits + 31) // 32 + 3, dtype=torch.int64, device=dev)
+    bounds = torch.arange(1, max(1, -(-n // CHUNK)), dtype=torch.int64, device=dev) * CHUNK   # chunks after the first
+    idx = torch.empty((bounds.numel(), 3), dtype=torch.int64, device=dev)
     if sparse:
         # the flag bit 0 and the header, then per nonzero: the gap, then sign + magnitude
         _place(words, torch.tensor([header], dtype=torch.int64, device=dev), torch.tensor([hlen], device=dev),
@@ -111,11 +116,21 @@ def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto
             values = torch.stack([gcode, sc[fnz]], dim=1).reshape(-1)
             offsets = 1 + hlen + torch.cumsum(lengths, 0) - lengths
             _place(words, values, lengths, offsets)
+        if bounds.numel():
+            j = torch.searchsorted(pos, bounds)          # each chunk's first nonzero (nnz: none left)
+            end = torch.tensor([nbits], dtype=torch.int64, device=dev)
+            item_at = torch.cat([offsets[0::2], end]) if nnz else end
+            idx[:, 0] = item_at[j]
+            idx[:, 1] = j
+            idx[:, 2] = torch.where(j > 0, torch.cat([pos.new_tensor([-1]), pos])[j] + 1, torch.zeros_like(j))
     else:
         words[0] = 1 << 31  # the flag bit 1
         if n:
             lengths = dl[f]
             offsets = 1 + torch.cumsum(lengths, 0) - lengths
             _place(words, dc[f], lengths, offsets)
+            idx[:, 0] = offsets[bounds]
+            idx[:, 1] = idx[:, 2] = bounds
     out = torch.stack([(words >> 24) & 0xFF, (words >> 16) & 0xFF, (words >> 8) & 0xFF, words & 0xFF], dim=1)
-    return out.reshape(-1)[:nbytes].to(torch.uint8)
+    stream = out.reshape(-1)[:nbytes].to(torch.uint8)
+    return (stream, idx.reshape(-1)) if index else stream

@@ -68,7 +68,7 @@ CODING = ChoiceParam("coding", "fixed",
                      "(ans; optional package constriction)",
                      choices=("fixed", "elias", "elias-sparse", "elias-dense", "ans"))
 _LAYOUT = {"elias": "auto", "elias-sparse": "sparse", "elias-dense": "dense"}
-_STREAM_FIELDS = ("stream", "scales", "crc")
+_STREAM_FIELDS = ("stream", "index", "scales", "crc")
 _ANS_FIELDS = ("ans", "model", "range", "scales", "crc")
 
 
@@ -134,12 +134,14 @@ class QSGD(Quantizer):
     def _check_fields(self, payload) -> None:
         if self.coding == "fixed":
             return super()._check_fields(payload)
+        from ..codecs.qsgd_chunks import index_len as stream_index_len
+
         f, names = payload.fields, self.wire_fields(payload.numel)
         if tuple(f) != names:
             raise PayloadError(f"{self.name}: payload fields {list(f)} != expected {list(names)}")
         fixed = {"scales": (torch.float32, num_buckets(payload.numel, self.bucket)), "crc": (torch.int32, 1),
                  "range": (torch.int32, 2), "stream": (torch.uint8, None), "ans": (torch.uint8, None),
-                 "model": (torch.uint8, None)}
+                 "model": (torch.uint8, None), "index": (torch.int64, stream_index_len(payload.numel))}
         for k in names:
             dt, cnt = fixed[k]
             if f[k].dtype != dt or (cnt is not None and f[k].numel() != cnt):
@@ -169,12 +171,12 @@ class QSGD(Quantizer):
             scales = kernels.maxabs_scales(v, self.bucket) if self.norm == "max" else kernels.l2_scales(v, self.bucket)
             fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
             if fields.device.type == "cpu":
-                stream = encode_fields_stream(fields, self.s, _LAYOUT[self.coding])
+                stream, index = encode_fields_stream(fields, self.s, _LAYOUT[self.coding], index=True)
             else:  # built on the device by tensor operations (the same bytes): the codes stay there
                 from ..codecs.qsgd_stream_torch import encode_fields_stream_torch
 
-                stream = encode_fields_stream_torch(fields, self.s, _LAYOUT[self.coding])
-            return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
+                stream, index = encode_fields_stream_torch(fields, self.s, _LAYOUT[self.coding], index=True)
+            return self._stream_payload(stream, index, scales, v.device)
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
         codes = uniform_codes(mat, scales, self.s, ctx.rng).reshape(-1)[: v.numel()]
@@ -185,8 +187,14 @@ class QSGD(Quantizer):
             return {**out, "scales": scales, "crc": crc.to(v.device)}
         from ..codecs.qsgd_stream import encode_stream  # numba-compiled; loaded on first use
 
-        stream = encode_stream(codes, self.s, _LAYOUT[self.coding])
-        return {"stream": stream.to(v.device), "scales": scales, "crc": crc_field(stream).to(v.device)}
+        stream, index = encode_stream(codes, self.s, _LAYOUT[self.coding], index=True)
+        return self._stream_payload(stream, index, scales, v.device)
+
+    @staticmethod
+    def _stream_payload(stream: torch.Tensor, index: torch.Tensor, scales: torch.Tensor,
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        return {"stream": stream.to(device), "index": index.to(device), "scales": scales,
+                "crc": crc_field(stream, index).to(device)}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         if self.coding == "fixed":
@@ -203,7 +211,7 @@ class QSGD(Quantizer):
         from ..codecs.qsgd_stream import decode_fields_stream
 
         self._check_crc(fields, numel)
-        return decode_fields_stream(fields["stream"], numel, self.s)
+        return decode_fields_stream(fields["stream"], numel, self.s, index=fields["index"])
 
     def _check_crc(self, fields: Mapping[str, torch.Tensor], numel: int) -> None:
         names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
@@ -232,5 +240,5 @@ class QSGD(Quantizer):
         else:
             from ..codecs.qsgd_stream import decode_stream
 
-            codes = decode_stream(fields["stream"], numel, self.s)
+            codes = decode_stream(fields["stream"], numel, self.s, index=fields["index"])
         return uniform_decode(codes.to(fields["scales"].device), fields["scales"], self.s, numel, self.bucket)

@@ -1,0 +1,108 @@
+"""The chunk-parallel Elias writer and reader (gradq.codecs.qsgd_chunks) and the chunk index.
+
+The writer must give the serial codes writer's bytes, and an index equal to the one recomputed from
+the codes by a plain walk (``qsgd_stream._codes_index``); the reader must return the fields, and refuse
+any index that is not the stream's own. Vectors span 4 to 5 chunks of ``CHUNK`` = 2**18 values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradq import PayloadError
+from gradq.codecs.qsgd_chunks import CHUNK, index_len
+from gradq.codecs.qsgd_stream import decode_fields_stream, decode_stream, encode_fields_stream, encode_stream
+
+N = 4 * CHUNK + 5
+
+
+def _codes(kind: str, s: int) -> torch.Tensor:
+    g = np.random.default_rng(len(kind) * 1000 + s)
+    c = np.zeros(N, np.int64)
+    if kind == "edges":         # nonzeros on chunk boundaries, chunks 1 and 3 empty, the last value set
+        c[[0, CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, N - 1]] = [1, -s, 2 if s > 1 else 1, -1, s]
+    elif kind == "long gaps":   # gaps past the 4,096-entry tables and across chunks
+        c[g.choice(N, 40, replace=False)] = g.integers(1, s + 1, 40) * g.choice([-1, 1], 40)
+    elif kind == "one":
+        c[3 * CHUNK + 100] = -1
+    elif kind == "dense":
+        c = g.integers(-s, s + 1, N)
+    elif kind == "mixed":
+        c = g.integers(-s, s + 1, N) * (g.random(N) < 0.3)
+    return torch.from_numpy(c)
+
+
+KINDS = ["edges", "long gaps", "one", "zeros", "dense", "mixed"]
+
+
+@pytest.mark.parametrize("s", [1, 7, 127])
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_writer_and_reader_agree_with_the_serial_codec(kind, s):
+    codes = _codes(kind, s)
+    fields = (codes + s).to(torch.uint8)
+    for layout in ("auto", "sparse", "dense"):
+        stream, index = encode_fields_stream(fields, s, layout, index=True)
+        want, want_index = encode_stream(codes, s, layout, index=True)
+        assert torch.equal(stream, want), layout
+        assert torch.equal(index, want_index) and index.numel() == index_len(N) == 12, layout
+        out = torch.full((N,), 255, dtype=torch.uint8)        # the reader fills every value itself
+        assert decode_fields_stream(stream, N, s, out=out, index=index) is out
+        assert torch.equal(out, fields)
+        assert torch.equal(decode_fields_stream(stream, N, s), fields)                   # serial
+        assert torch.equal(decode_stream(stream, N, s, index=index).to(torch.int64), codes)
+
+
+@pytest.mark.parametrize("kind", ["edges", "long gaps", "mixed", "dense"])
+def test_any_other_index_is_refused(kind):
+    """Every single-entry change of the index (±1, and the entry of the next row) is refused by the
+    parallel reader and by the serial reader's check; so is an index of the wrong length."""
+    s = 7
+    fields = (_codes(kind, s) + s).to(torch.uint8)
+    for layout in ("sparse", "dense"):
+        stream, index = encode_fields_stream(fields, s, layout, index=True)
+        for k in range(index.numel()):
+            for bad_value in (index[k] - 1, index[k] + 1, index[(k + 3) % index.numel()]):
+                if bad_value == index[k]:
+                    continue
+                bad = index.clone()
+                bad[k] = bad_value
+                with pytest.raises(PayloadError):   # (a chunk read from a wrong bit may fail as damage)
+                    decode_fields_stream(stream, N, s, index=bad)
+                with pytest.raises(PayloadError, match="chunk index"):
+                    decode_stream(stream, N, s, index=bad)
+        for bad in (index[:-3], torch.cat([index, index[:3]])):
+            with pytest.raises(PayloadError):
+                decode_fields_stream(stream, N, s, index=bad)
+
+
+@pytest.mark.parametrize("layout", ["sparse", "dense"])
+def test_damaged_streams_with_an_index(layout):
+    """Bit flips in a multi-chunk stream: the parallel reader refuses what the serial one refuses, and
+    whatever it accepts is exactly what the writer makes of the decoded fields (stream and index)."""
+    s = 7
+    codes = _codes("mixed", s)
+    stream, index = encode_fields_stream((codes + s).to(torch.uint8), s, layout, index=True)
+    g = np.random.default_rng(5)
+    for bit in g.choice(stream.numel() * 8, 24, replace=False):
+        bad = stream.clone()
+        bad[bit // 8] ^= 1 << int(bit % 8)
+        try:
+            got = decode_fields_stream(bad, N, s, index=index)
+        except PayloadError:
+            continue
+        again, again_index = encode_fields_stream(got, s, layout, index=True)
+        assert torch.equal(again, bad) and torch.equal(again_index, index)
+    for cut in (stream[:-1], stream[: stream.numel() // 2], torch.cat([stream, stream[:1]])):
+        with pytest.raises(PayloadError):
+            decode_fields_stream(cut, N, s, index=index)
+
+
+def test_small_vectors_have_an_empty_index():
+    for n in (0, 1, CHUNK):
+        f = torch.full((n,), 3, dtype=torch.uint8)
+        stream, index = encode_fields_stream(f, 3, "auto", index=True)
+        assert index.numel() == index_len(n) == 0 and index.dtype == torch.int64
+        assert torch.equal(decode_fields_stream(stream, n, 3, index=index), f)
+    assert index_len(CHUNK + 1) == 3
