@@ -106,3 +106,28 @@ def test_small_vectors_have_an_empty_index():
         assert index.numel() == index_len(n) == 0 and index.dtype == torch.int64
         assert torch.equal(decode_fields_stream(stream, n, 3, index=index), f)
     assert index_len(CHUNK + 1) == 3
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=8,bucket=1000,norm=l2,coding=elias-dense",
+                                  "qsgd:bits=2,bucket=none,coding=elias-sparse"])
+def test_decode_into_out_dequantizes_by_chunks_bit_for_bit(spec):
+    """``decode(p, out=)`` on the CPU decodes each chunk into a chunk-sized buffer and dequantizes it
+    there (buckets that straddle chunks included): the same floats as the fixed coding's decode."""
+    import gradq
+
+    q = gradq.build(spec)
+    fixed = gradq.build(spec.replace(",coding=elias-dense", "").replace(",coding=elias-sparse", "")
+                        .replace(",coding=elias", ""))
+    x = torch.randn(2 * CHUNK + 999, generator=torch.Generator().manual_seed(3))
+    p = q.encode(x, seed=4)
+    out = torch.full_like(x, float("nan"))
+    assert q.decode(p, out=out) is out
+    assert torch.equal(out, fixed.decode(fixed.encode(x, seed=4))) and torch.equal(out, q.decode(p))
+    bad = dict(p.fields)
+    bad["index"] = bad["index"].clone()
+    bad["index"][0] += 1
+    from gradq.codecs.ans import crc_field
+
+    bad["crc"] = crc_field(bad["stream"], bad["index"])   # a consistent CRC: the index check must catch it
+    with pytest.raises(PayloadError):
+        q.decode(gradq.Payload(p.spec, p.shape, p.dtype, p.numel, bad), out=out)

@@ -28,13 +28,15 @@ that decode are exactly what the writer makes (otherwise :class:`gradq.PayloadEr
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
 from .elias import (_OMEGA_CODE, _OMEGA_LEN, _SMALL, ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK, check_tail, flush,
                     omega_len, omega_pieces, raise_for_error)
-from .qsgd_fields import _CHUNK, _jit, _omega, _pjit, _put_pieces, field_tables, item_tables, prange, read_dense, \
-    read_sparse
+from .qsgd_fields import (_CHUNK, _jit, _omega, _peek, _pjit, _put_pieces, field_tables, item_tables, prange,
+                          read_dense, read_sparse)
 
 __all__ = ["CHUNK", "index_len", "encode_fields", "decode_fields"]
 
@@ -49,58 +51,80 @@ def index_len(n: int) -> int:
 
 
 # -- writing ---------------------------------------------------------------------------------------
+#: gaps below this are written together with the item that follows them, from one table
+_NEAR = 16
+
+
+@lru_cache(maxsize=None)
+def item_code_table(s: int) -> np.ndarray:
+    """Per ``(gap, field)`` with ``gap < 16`` and ``field ≤ 2s + 1``, index ``gap·(2s + 2) + field``: the
+    sparse item (the gap's omega code, the sign, omega(|c|)) as ``code << 5 | length``, right-aligned;
+    0 (no bits) for the zero field ``s``, for ``2s + 1`` (which stands for every invalid field) and for
+    gap 0. int32, so that the table stays in the L1 cache (1 KiB for 4 bits, 16 KiB for 8)."""
+    sc, sl, _, _ = field_tables(s)
+    w = 2 * s + 2
+    table = np.zeros(_NEAR * w, np.int32)
+    for g in range(1, _NEAR):
+        for v in range(2 * s + 1):
+            if v != s:
+                code = (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v])
+                table[g * w + v] = (code << 5) | (int(_OMEGA_LEN[g]) + int(sl[v]))
+    return table
+
+
 @_jit
-def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, scratch: np.ndarray,
-                  o0: int):
+def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
+                  table: np.ndarray, scratch: np.ndarray, o0: int):
     """One chunk's sparse items from ``scratch[o0]``, the first one without its gap: ``(bits, first
-    nonzero, last nonzero, nonzeros)``. (The first nonzero is found by a loop of its own so that the
-    writing loop is the plain one: a test for "first item" inside it made it 1.4x slower.)"""
+    nonzero, last nonzero, nonzeros, dense bits, largest field)``.
+
+    Every value goes through the same steps, zeros included (they add 0 bits from ``table``, see
+    :func:`item_code_table`), so that nothing branches on whether a value is zero, which is
+    unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a branch (to write the
+    gap from its pieces). The first nonzero is found by a loop of its own."""
     fst = e0
     while fst < e1 and np.int64(f[fst]) == s:
         fst += 1
     if fst == e1:
-        return 0, -1, -1, 0
+        return 0, -1, -1, 0, (e1 - e0) * dl[s], s
     v = np.int64(f[fst])
     acc = sc[v]
     nacc = sl[v]
+    d = (fst - e0) * dl[s] + dl[v]
+    top = v
     o = o0
     last = fst
     z = 1
+    w = 2 * s + 2
     for i in range(fst + 1, e1):
         v = np.int64(f[i])
-        if v == s:
-            continue
+        nz = v != s
         g = i - last
-        last = i
-        z += 1
-        if g < _SMALL:
-            acc = (acc << _OMEGA_LEN[g]) | _OMEGA_CODE[g]
-            nacc += _OMEGA_LEN[g]
-        else:  # a gap past the table (rare): its pieces
+        d += dl[v]
+        top = v if v > top else top
+        if g >= _NEAR and nz:   # a long gap: its pieces, then the item
             o, acc, nacc = _put_pieces(scratch, o, acc, nacc, omega_pieces(g))
+            acc = (acc << sl[v]) | sc[v]
+            nacc += sl[v]
+        else:
+            e = np.int64(table[(g if g < _NEAR else _NEAR - 1) * w + (v if v < w else w - 1)])
+            ln = e & 31
+            acc = (acc << ln) | (e >> 5)
+            nacc += ln
+        last = i if nz else last
+        z += nz
         if nacc >= 32:
             nacc -= 32
-            w = acc >> nacc
-            scratch[o] = (w >> 24) & 0xFF
-            scratch[o + 1] = (w >> 16) & 0xFF
-            scratch[o + 2] = (w >> 8) & 0xFF
-            scratch[o + 3] = w & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-        acc = (acc << sl[v]) | sc[v]
-        nacc += sl[v]
-        if nacc >= 32:
-            nacc -= 32
-            w = acc >> nacc
-            scratch[o] = (w >> 24) & 0xFF
-            scratch[o + 1] = (w >> 16) & 0xFF
-            scratch[o + 2] = (w >> 8) & 0xFF
-            scratch[o + 3] = w & 0xFF
+            x = acc >> nacc
+            scratch[o] = (x >> 24) & 0xFF
+            scratch[o + 1] = (x >> 16) & 0xFF
+            scratch[o + 2] = (x >> 8) & 0xFF
+            scratch[o + 3] = x & 0xFF
             o += 4
             acc &= (1 << nacc) - 1
     bits = (o - o0) * 8 + nacc
     flush(scratch, o, acc, nacc)
-    return bits, fst, last, z
+    return bits, fst, last, z, d, top
 
 
 @_jit
@@ -117,8 +141,8 @@ def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, dl: np.ndarray):
 
 
 @_pjit
-def _sparse_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray, scratch: np.ndarray,
-                   stride: int):
+def _sparse_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray, table: np.ndarray,
+                   scratch: np.ndarray, stride: int):
     """Per chunk, into ``scratch[c·stride:]``: its sparse items without the first one's gap. Returns
     per chunk ``(body bits, first nonzero, last nonzero, nonzeros, dense bits, fields above 2s)``."""
     n = f.shape[0]
@@ -132,8 +156,9 @@ def _sparse_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np
     for c in prange(nch):
         e0 = c * _CHUNK
         e1 = min(n, e0 + _CHUNK)
-        nbits[c], first[c], last[c], count[c] = _sparse_chunk(f, e0, e1, s, sc, sl, scratch, c * stride)
-        dense[c], bad[c] = _dense_chunk(f, e0, e1, s, dl)
+        nbits[c], first[c], last[c], count[c], dense[c], top = _sparse_chunk(f, e0, e1, s, sc, sl, dl, table,
+                                                                             scratch, c * stride)
+        bad[c] = top > 2 * s   # (a field above 2s: counted again exactly to report it)
     return nbits, first, last, count, dense, bad
 
 
@@ -175,54 +200,52 @@ def _end_chunk(buf: np.ndarray, o: int, acc: int, nacc: int) -> int:
     return ((acc << (8 - nacc)) & 0xFF) if nacc else 0
 
 
+@_jit
+def _place(body: np.ndarray, nb: int, gap: int, st: int, buf: np.ndarray) -> int:
+    """The omega code of ``gap`` and the ``nb`` bits of ``body`` at bit ``st`` of ``buf``: the whole
+    bytes (the first holds zeros before bit ``st``); returns the partial last byte, left-aligned (0 when
+    none). The body is shifted into place a byte at a time with no carried state, a loop the compiler
+    vectorizes."""
+    o = st >> 3
+    acc = 0
+    nacc = st & 7
+    o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(gap))
+    while nacc >= 8:
+        nacc -= 8
+        buf[o] = (acc >> nacc) & 0xFF
+        o += 1
+    r = nacc                       # the body starts r bits into byte o, after the r bits of ``head``
+    head = (acc << (8 - r)) & 0xFF
+    m = (nb + 7) >> 3              # body bytes (the last one zero-padded)
+    total = r + nb
+    full = total >> 3              # whole output bytes from o
+    if full:
+        buf[o] = head | (np.int64(body[0]) >> r)
+        if r:
+            for j in range(1, full):
+                buf[o + j] = ((np.int64(body[j - 1]) << (8 - r)) | (np.int64(body[j]) >> r)) & 0xFF
+        else:
+            buf[o + 1:o + full] = body[1:full]
+    if total & 7 == 0:
+        return 0
+    cur = np.int64(body[full]) >> r if full < m else 0
+    if full:
+        t = ((np.int64(body[full - 1]) << (8 - r)) & 0xFF) | cur
+    else:
+        t = head | cur
+    return t & ((0xFF << (8 - (total & 7))) & 0xFF)
+
+
 @_pjit
 def _assemble(scratch: np.ndarray, stride: int, nbits: np.ndarray, gaps: np.ndarray, starts: np.ndarray,
               buf: np.ndarray, tails: np.ndarray) -> None:
-    """Chunk ``c``'s first gap (``gaps[c] > 0``) and body at bit ``starts[c]`` of ``buf``: its whole bytes,
-    its partial last byte into ``tails[c]`` (its first byte holds zeros before its first bit)."""
+    """Chunk ``c``'s first gap (``gaps[c] > 0``; 0: no nonzero, no bits) and body at bit ``starts[c]``
+    of ``buf`` (:func:`_place`), its partial last byte into ``tails[c]``."""
     for c in prange(nbits.shape[0]):
-        if gaps[c] == 0:  # no nonzero: no bits
-            tails[c] = 0
-            continue
-        st = starts[c]
-        o = st >> 3
-        acc = 0
-        nacc = st & 7
-        o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(gaps[c]))
-        base = c * stride
-        nb = nbits[c]
-        full = nb >> 3
-        j = 0
-        while j + 4 <= full:  # 32 bits in, one 32-bit word out (nacc < 32 stays)
-            w = ((np.int64(scratch[base + j]) << 24) | (np.int64(scratch[base + j + 1]) << 16)
-                 | (np.int64(scratch[base + j + 2]) << 8) | np.int64(scratch[base + j + 3]))
-            acc = (acc << 32) | w
-            out = acc >> nacc
-            buf[o] = (out >> 24) & 0xFF
-            buf[o + 1] = (out >> 16) & 0xFF
-            buf[o + 2] = (out >> 8) & 0xFF
-            buf[o + 3] = out & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-            j += 4
-        while j < full:
-            acc = (acc << 8) | np.int64(scratch[base + j])
-            nacc += 8
-            if nacc >= 32:
-                nacc -= 32
-                w = acc >> nacc
-                buf[o] = (w >> 24) & 0xFF
-                buf[o + 1] = (w >> 16) & 0xFF
-                buf[o + 2] = (w >> 8) & 0xFF
-                buf[o + 3] = w & 0xFF
-                o += 4
-                acc &= (1 << nacc) - 1
-            j += 1
-        r = nb & 7
-        if r:
-            acc = (acc << r) | (np.int64(scratch[base + full]) >> (8 - r))
-            nacc += r
-        tails[c] = _end_chunk(buf, o, acc, nacc)
+        t = 0
+        if gaps[c]:
+            t = _place(scratch[c * stride:(c + 1) * stride], nbits[c], gaps[c], starts[c], buf)
+        tails[c] = t
 
 
 @_pjit
@@ -308,8 +331,9 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
         return _dense_stream(f, dc, dl, dense)
     stride = 2 * CHUNK + 16   # ≤ 15.5 bits a value: 1.5 for gaps, 14 for a sign and omega(|c| ≤ 127)
     scratch = _scratch(nch * stride)
-    nbits, first, last, count, dense, bad = _sparse_bodies(f, s, sc, sl, dl, scratch, stride)
-    _check_bad(int(bad.sum()), s)
+    nbits, first, last, count, dense, bad = _sparse_bodies(f, s, sc, sl, dl, item_code_table(s), scratch, stride)
+    if bad.any():
+        _check_bad(int(_dense_counts(f, s, dl)[1].sum()), s)
     nnz = int(count.sum())
     # each chunk's first gap: from the last nonzero of the chunks before (1-based; 0 = no nonzero)
     has = first >= 0
@@ -358,39 +382,190 @@ def _check_index(idx: np.ndarray, n: int, nch: int, sparse: bool, start: int, en
     return True
 
 
+@_jit
+def _dequantize(f: np.ndarray, lo: int, s: int, scales: np.ndarray, bucket: int, out: np.ndarray) -> None:
+    """``out[lo + i] = float32(f[i] − s)·(scale_b / s)``: gradq.kernels' uniform decode, bit for bit."""
+    sf = np.float32(s)
+    hi = lo + f.shape[0]
+    p = lo
+    while p < hi:
+        b = p // bucket
+        q = min((b + 1) * bucket, hi)
+        mult = scales[b] / sf
+        for i in range(p, q):
+            out[i] = np.float32(np.int32(f[i - lo]) - s) * mult
+        p = q
+
+
+@_jit
+def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
+                 pa: int, ea: int, qa: int, na: int, ha: int, oa: np.ndarray,
+                 pb: int, eb: int, qb: int, nb: int, hb: int, ob: np.ndarray):
+    """Two chunks' sparse items read in lockstep (bit ``p``, end bit ``e``, last position ``q``, items
+    ``n``, positions up to ``h``, output ``o``; after each chunk's first item): decoding one item waits
+    on the item before, so two independent chains keep the core busy while each waits. Returns
+    ``(err, p, q)`` of each; an item the table cannot take goes through :func:`read_sparse`."""
+    ka = 0
+    kb = 0
+    low = -(1 << 62)   # (the first items were read already: no lower bound left to check)
+    while ka < na and kb < nb:
+        xa = np.int64(tab[_peek(pad, pa)])
+        xb = np.int64(tab[_peek(pad, pb)])
+        la = xa & 31
+        lb = xb & 31
+        ga = xa >> 13
+        gb = xb >> 13
+        if la and pa + la <= ea and ga <= ha - qa:
+            qa += ga
+            oa[qa - 1] = (xa >> 5) & 0xFF
+            pa += la
+        else:
+            err, pa, qa = read_sparse(buf, pad, pa, ea, qa, 1, low, ha, s, tab, oa)
+            if err != OK:
+                return err, pa, qa, OK, pb, qb
+        ka += 1
+        if lb and pb + lb <= eb and gb <= hb - qb:
+            qb += gb
+            ob[qb - 1] = (xb >> 5) & 0xFF
+            pb += lb
+        else:
+            err, pb, qb = read_sparse(buf, pad, pb, eb, qb, 1, low, hb, s, tab, ob)
+            if err != OK:   # (the first chunk is read to its end: its own error is the one to report)
+                erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, na - ka, low, ha, s, tab, oa)
+                return erra, pa, qa, err, pb, qb
+        kb += 1
+    erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, na - ka, low, ha, s, tab, oa)
+    errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, nb - kb, low, hb, s, tab, ob)
+    return erra, pa, qa, errb, pb, qb
+
+
+@_jit
+def _dense_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray, pa: int, ea: int, ha: int,
+                oa: np.ndarray, pb: int, eb: int, hb: int, ob: np.ndarray):
+    """:func:`_sparse_pair` for the dense layout (values ``0 … h − 1`` of each output)."""
+    ia = 0
+    ib = 0
+    while ia < ha and ib < hb:
+        xa = np.int64(tab[_peek(pad, pa)])
+        xb = np.int64(tab[_peek(pad, pb)])
+        la = xa & 31
+        lb = xb & 31
+        if la and pa + la <= ea:
+            oa[ia] = xa >> 5
+            pa += la
+        else:
+            err, pa = read_dense(buf, pad, pa, ea, ia, ia + 1, s, tab, oa)
+            if err != OK:
+                return err, pa, OK, pb
+        ia += 1
+        if lb and pb + lb <= eb:
+            ob[ib] = xb >> 5
+            pb += lb
+        else:
+            err, pb = read_dense(buf, pad, pb, eb, ib, ib + 1, s, tab, ob)
+            if err != OK:
+                erra, pa = read_dense(buf, pad, pa, ea, ia, ha, s, tab, oa)
+                return erra, pa, err, pb
+        ib += 1
+    erra, pa = read_dense(buf, pad, pa, ea, ia, ha, s, tab, oa)
+    errb, pb = read_dense(buf, pad, pb, eb, ib, hb, s, tab, ob)
+    return erra, pa, errb, pb
+
+
+@_jit
+def _dequantize(f: np.ndarray, lo: int, s: int, scales: np.ndarray, bucket: int, out: np.ndarray) -> None:
+    """``out[lo + i] = float32(f[i] − s)·(scale_b / s)``: gradq.kernels' uniform decode, bit for bit."""
+    sf = np.float32(s)
+    hi = lo + f.shape[0]
+    p = lo
+    while p < hi:
+        b = p // bucket
+        q = min((b + 1) * bucket, hi)
+        mult = scales[b] / sf
+        for i in range(p, q):
+            out[i] = np.float32(np.int32(f[i - lo]) - s) * mult
+        p = q
+
+
+@_jit
+def _row(idx: np.ndarray, c: int, nch: int, n: int, start: int, end: int, nnz: int):
+    """Chunk ``c``'s ``(lo, hi, first bit, end bit, last position before, items, last position after)``
+    (positions 1-based, relative to ``lo``)."""
+    lo = c * _CHUNK
+    hi = min(n, lo + _CHUNK)
+    p0 = start if c == 0 else idx[_COLS * (c - 1)]
+    k0 = 0 if c == 0 else idx[_COLS * (c - 1) + 1]
+    l0 = 0 if c == 0 else idx[_COLS * (c - 1) + 2]
+    last = c == nch - 1
+    p1 = end if last else idx[_COLS * c]
+    k1 = nnz if last else idx[_COLS * c + 1]
+    l1 = 0 if last else idx[_COLS * c + 2]
+    return lo, hi, p0, p1, l0 - lo, k1 - k0, l1 - lo
+
+
 @_pjit
 def _read_chunks(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, idx: np.ndarray, sparse: bool,
-                 start: int, nnz: int, out: np.ndarray, errs: np.ndarray, where: np.ndarray) -> None:
+                 start: int, nnz: int, out: np.ndarray, values: np.ndarray, scales: np.ndarray, bucket: int,
+                 errs: np.ndarray, where: np.ndarray) -> None:
+    """The chunks from their index rows, two per thread step (:func:`_sparse_pair`), into ``out[lo:hi]``
+    (fields) or, when ``values`` is not empty, through chunk-sized buffers (in cache) dequantized into
+    ``values[lo:hi]``. Each chunk's error code and bit position go to ``errs`` and ``where``."""
     nch = errs.shape[0]
     end = buf.shape[0] * 8
-    for c in prange(nch):
-        lo = c * _CHUNK
-        hi = min(n, lo + _CHUNK)
-        p0 = start if c == 0 else idx[_COLS * (c - 1)]
-        k0 = 0 if c == 0 else idx[_COLS * (c - 1) + 1]
-        l0 = 0 if c == 0 else idx[_COLS * (c - 1) + 2]
-        last = c == nch - 1
-        p1 = end if last else idx[_COLS * c]
-        k1 = nnz if last else idx[_COLS * c + 1]
-        l1 = 0 if last else idx[_COLS * c + 2]
+    for j in prange((nch + 1) // 2):
+        ca = 2 * j
+        cb = min(ca + 1, nch - 1)   # (an odd last chunk pairs with itself and is read once)
+        loa, hia, pa, ea, qa, na, ra = _row(idx, ca, nch, n, start, end, nnz)
+        lob, hib, pb, eb, qb, nb, rb = _row(idx, cb, nch, n, start, end, nnz)
+        da = np.empty(hia - loa, np.uint8) if values.shape[0] else out[loa:hia]
+        db = np.empty(hib - lob, np.uint8) if values.shape[0] else out[lob:hib]
         if sparse:
-            out[lo:hi] = s
-            err, p, pos = read_sparse(buf, pad, p0, p1, l0, k1 - k0, lo, hi, s, tab, out)
-            if err == OK and not last and (p != p1 or pos != l1):
-                err = ERR_INDEX
+            da[:] = s
+            db[:] = s
+            # each chunk's first item on its own (it alone may land before the chunk), then both in step
+            erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, min(na, 1), 0, hia - loa, s, tab, da)
+            errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, min(nb, 1), 0, hib - lob, s, tab, db)
+            if erra == OK and errb == OK and cb != ca:
+                erra, pa, qa, errb, pb, qb = _sparse_pair(buf, pad, s, tab, pa, ea, qa, na - min(na, 1), hia - loa,
+                                                          da, pb, eb, qb, nb - min(nb, 1), hib - lob, db)
+            else:
+                if erra == OK:
+                    erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, na - min(na, 1), 0, hia - loa, s, tab, da)
+                if errb == OK and cb != ca:
+                    errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, nb - min(nb, 1), 0, hib - lob, s, tab, db)
+            oka = erra == OK and (ca == nch - 1 or (pa == ea and qa == ra))
+            okb = errb == OK and (cb == nch - 1 or (pb == eb and qb == rb))
         else:
-            err, p = read_dense(buf, pad, p0, p1, lo, hi, s, tab, out)
-            if err == OK and not last and p != p1:
-                err = ERR_INDEX
-        if err == OK and last:
-            err = check_tail(buf, p)
-        errs[c] = err
-        where[c] = p
+            if cb != ca:
+                erra, pa, errb, pb = _dense_pair(buf, pad, s, tab, pa, ea, hia - loa, da, pb, eb, hib - lob, db)
+            else:
+                erra, pa = read_dense(buf, pad, pa, ea, 0, hia - loa, s, tab, da)
+                errb, pb = erra, pa
+            oka = erra == OK and (ca == nch - 1 or pa == ea)
+            okb = errb == OK and (cb == nch - 1 or pb == eb)
+        erra = ERR_INDEX if erra == OK and not oka else erra
+        errb = ERR_INDEX if errb == OK and not okb else errb
+        if erra == OK and ca == nch - 1:
+            erra = check_tail(buf, pa)
+        if errb == OK and cb == nch - 1:
+            errb = check_tail(buf, pb)
+        if erra == OK and values.shape[0]:
+            _dequantize(da, loa, s, scales, bucket, values)
+        if errb == OK and values.shape[0] and cb != ca:
+            _dequantize(db, lob, s, scales, bucket, values)
+        errs[ca] = erra
+        where[ca] = pa
+        errs[cb] = errb if cb != ca else erra
+        where[cb] = pb if cb != ca else pa
 
 
-def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: np.ndarray) -> None:
-    """Decode the stream ``buf`` with its chunk index ``idx`` into ``out[:n]`` (uint8 fields ``c + s``);
-    raises :class:`gradq.PayloadError` on any malformed stream or index."""
+def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: Optional[np.ndarray], *,
+                  values: Optional[np.ndarray] = None, scales: Optional[np.ndarray] = None,
+                  bucket: Optional[int] = None) -> None:
+    """Decode the stream ``buf`` with its chunk index ``idx`` into ``out[:n]`` (uint8 fields ``c + s``),
+    or, given ``values`` (float32), straight into the dequantized values under the per-bucket
+    ``scales`` (float32; ``bucket=None``: one bucket). Raises :class:`gradq.PayloadError` on any
+    malformed stream or index."""
     what = "QSGD stream"
     nch = -(-n // CHUNK)
     if idx.shape[0] != index_len(n):
@@ -418,7 +593,13 @@ def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: np.ndar
     errs = np.zeros(nch, np.int64)
     where = np.zeros(nch, np.int64)
     sparse_tab, dense_tab = item_tables(s)
-    _read_chunks(buf, pad, n, s, sparse_tab if sparse else dense_tab, idx, sparse, start, nnz, out, errs, where)
+    if values is None:
+        values, scales, bucket = np.empty(0, np.float32), np.empty(0, np.float32), 1
+    else:
+        out = np.empty(0, np.uint8)
+        bucket = n if bucket is None else int(bucket)
+    _read_chunks(buf, pad, n, s, sparse_tab if sparse else dense_tab, idx, sparse, start, nnz, out, values, scales,
+                 bucket, errs, where)
     bad = np.flatnonzero(errs)
     if bad.size:
         c = int(bad[0])

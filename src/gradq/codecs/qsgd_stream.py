@@ -384,3 +384,19 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
     err, pos = read_fields_fast(buf, pad, n, s, *item_tables(s), arr)
     raise_for_error(int(err), int(pos), "QSGD stream")
     return res
+
+
+def decode_stream_values(stream: torch.Tensor, n: int, s: int, index: torch.Tensor, scales: torch.Tensor,
+                         bucket: Optional[int], out: torch.Tensor) -> torch.Tensor:
+    """Decode an Elias stream of uint8-field codes (``s ≤ 127``) with its chunk index straight into
+    float32 values ``float32(c)·(scale_b / s)`` (``out``: a contiguous float32 CPU tensor of ``n``
+    values), chunk by chunk in parallel: the fields never exist as a whole. The same values as
+    :func:`decode_fields_stream` followed by ``gradq.kernels.uniform_decode``."""
+    if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
+        raise PayloadError("a QSGD stream must be uint8 bytes")
+    from .qsgd_chunks import decode_fields
+
+    buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
+    sc = np.ascontiguousarray(scales.detach().cpu().reshape(-1).numpy())
+    decode_fields(buf, n, s, _index_array(index), None, values=out.numpy(), scales=sc, bucket=bucket)
+    return out

@@ -168,8 +168,11 @@ class QSGD(Quantizer):
             # streamed without widening them: no input-sized temporaries
             from ..codecs.qsgd_stream import encode_fields_stream  # numba-compiled; loaded on first use
 
-            scales = kernels.maxabs_scales(v, self.bucket) if self.norm == "max" else kernels.l2_scales(v, self.bucket)
-            fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
+            if self.norm == "max":  # norm and codes fused per bucket, as the fixed coding
+                fields, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, 8, ctx.rng)
+            else:
+                scales = kernels.l2_scales(v, self.bucket)
+                fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
             if fields.device.type == "cpu":
                 stream, index = encode_fields_stream(fields, self.s, _LAYOUT[self.coding], index=True)
             else:  # built on the device by tensor operations (the same bytes): the codes stay there
@@ -202,6 +205,15 @@ class QSGD(Quantizer):
             return True
         if self.coding == "ans" or self.s > 127:
             return False
+        if (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+                and fields["scales"].device.type == "cpu" and numel > 0):
+            # decoded and dequantized chunk by chunk: no field array of the input's size
+            from ..codecs.qsgd_stream import decode_stream_values
+
+            self._check_crc(fields, numel)
+            decode_stream_values(fields["stream"], numel, self.s, fields["index"], fields["scales"], self.bucket,
+                                 out.reshape(-1))
+            return True
         kernels.uniform_decode(self._stream_fields(fields, numel).to(out.device), fields["scales"], self.s,
                                self.bucket, 8, numel, out=out)
         return True
