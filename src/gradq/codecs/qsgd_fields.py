@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .elias import (_OMEGA_CODE, _OMEGA_LEN, _SMALL, ERR_CODE, ERR_GAP, ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK,
+from .elias import (_OMEGA_CODE, _OMEGA_LEN, ERR_CODE, ERR_GAP, ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK,
                     check_tail, read_omega)
 
 try:

@@ -14,7 +14,9 @@ carry it too, so every stream is self-describing]**, then one of two bodies, MSB
   dropped, so it is measured, not asserted).
 * ``layout="auto"`` writes the shorter body (sparse on a tie).
 
-The per-bucket float32 scales are *not* part of the stream. The decoder is strict: exactly ``n``
+The per-bucket float32 scales are *not* part of the stream, nor is the chunk index that lets the
+fields codec work by chunks in parallel (:mod:`gradq.codecs.qsgd_chunks`; ``index=True`` on the
+encoders, ``index=`` on the decoders, which check it). The decoder is strict: exactly ``n``
 coordinates, gaps never past ``n``, ``nnz ≤ n``, ``|c| ≤ s``, and after the last code only zero padding
 bits in the final byte and no further bytes ("extended stream"). Every valid stream is the unique
 encoding of its codes under its flag's layout (Elias codes are prefix-free and canonical), so a stream
@@ -372,7 +374,7 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int, out: Optional[tor
     res = torch.empty(n, dtype=torch.uint8) if out is None else out
     arr = res.numpy()
     if index is not None:
-        from .qsgd_chunks import decode_fields
+        from .qsgd_chunks_read import decode_fields
 
         decode_fields(buf, n, s, _index_array(index), arr)
         return res
@@ -394,7 +396,7 @@ def decode_stream_values(stream: torch.Tensor, n: int, s: int, index: torch.Tens
     :func:`decode_fields_stream` followed by ``gradq.kernels.uniform_decode``."""
     if not isinstance(stream, torch.Tensor) or stream.dtype != torch.uint8:
         raise PayloadError("a QSGD stream must be uint8 bytes")
-    from .qsgd_chunks import decode_fields
+    from .qsgd_chunks_read import decode_fields
 
     buf = np.ascontiguousarray(stream.detach().cpu().reshape(-1).numpy())
     sc = np.ascontiguousarray(scales.detach().cpu().reshape(-1).numpy())

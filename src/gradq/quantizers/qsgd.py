@@ -20,9 +20,12 @@ writes the paper's sparse layout (Elias-coded gaps, signs, magnitudes), ``coding
 ``s ≈ √n`` layout (Elias(|c|+1) and a sign per coordinate), ``coding=elias`` the shorter of the two per
 payload (one flag bit) — see :mod:`gradq.codecs.qsgd_stream`. The codes are exactly those of the fixed
 coding for the same seed; only their wire form differs. Fields: ``stream`` (uint8, variable length),
-``scales`` (float32 per bucket), ``crc`` (one int32: CRC-32 of the stream bytes **[decided]**, so any
-truncation, extension or bit flip of the stream is detected; the stream decoder is strict on its own
-too). Wire size ``31 + len(stream) + 4·B + 4`` bytes for ``B`` buckets; Theorem 3.2 bounds the expected
+``index`` (int64, the chunk index of :mod:`gradq.codecs.qsgd_chunks` **[decided]**: 3 entries per 2^18
+values after the first chunk, so that the stream is written and read by chunks in parallel; checked
+against the stream), ``scales`` (float32 per bucket), ``crc`` (one int32: CRC-32 of the stream and
+index bytes **[decided]**, so any truncation, extension or bit flip is detected; the stream decoder is
+strict on its own too). Wire size ``36 + len(stream) + 8·len(index) + 4·B + 4`` bytes for ``B``
+buckets; Theorem 3.2 bounds the expected
 stream length for ``norm=l2`` by ``(3 + 1.5·log(2(s² + d)/(s(s + √d))))·s(s + √d)`` bits per bucket of
 ``d`` coordinates.
 
