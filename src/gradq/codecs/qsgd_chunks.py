@@ -242,30 +242,37 @@ def _assemble(scratch: np.ndarray, stride: int, nbits: np.ndarray, gaps: np.ndar
         tails[c] = t
 
 
+@_jit
+def _dense_chunk_write(f: np.ndarray, e0: int, e1: int, dc: np.ndarray, dl: np.ndarray, st: int,
+                       buf: np.ndarray) -> int:
+    """The dense codes of ``f[e0:e1]`` at bit ``st``, as :func:`_place` places a chunk: returns the
+    partial last byte."""
+    o = st >> 3
+    acc = 0
+    nacc = st & 7
+    for i in range(e0, e1):
+        v = np.int64(f[i])
+        acc = (acc << dl[v]) | dc[v]
+        nacc += dl[v]
+        if nacc >= 32:
+            nacc -= 32
+            w = acc >> nacc
+            buf[o] = (w >> 24) & 0xFF
+            buf[o + 1] = (w >> 16) & 0xFF
+            buf[o + 2] = (w >> 8) & 0xFF
+            buf[o + 3] = w & 0xFF
+            o += 4
+            acc &= (1 << nacc) - 1
+    return _end_chunk(buf, o, acc, nacc)
+
+
 @_pjit
 def _write_dense(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, starts: np.ndarray, buf: np.ndarray,
                  tails: np.ndarray) -> None:
-    """Chunk ``c``'s dense codes at bit ``starts[c]``, as :func:`_assemble` places a chunk."""
+    """Chunk ``c``'s dense codes at bit ``starts[c]`` (:func:`_dense_chunk_write`)."""
     n = f.shape[0]
     for c in prange(starts.shape[0]):
-        st = starts[c]
-        o = st >> 3
-        acc = 0
-        nacc = st & 7
-        for i in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
-            v = np.int64(f[i])
-            acc = (acc << dl[v]) | dc[v]
-            nacc += dl[v]
-            if nacc >= 32:
-                nacc -= 32
-                w = acc >> nacc
-                buf[o] = (w >> 24) & 0xFF
-                buf[o + 1] = (w >> 16) & 0xFF
-                buf[o + 2] = (w >> 8) & 0xFF
-                buf[o + 3] = w & 0xFF
-                o += 4
-                acc &= (1 << nacc) - 1
-        tails[c] = _end_chunk(buf, o, acc, nacc)
+        tails[c] = _dense_chunk_write(f, c * _CHUNK, min(n, (c + 1) * _CHUNK), dc, dl, starts[c], buf)
 
 
 @_jit

@@ -145,60 +145,74 @@ def _row(idx: np.ndarray, c: int, nch: int, n: int, start: int, end: int, nnz: i
     return lo, hi, p0, p1, l0 - lo, k1 - k0, l1 - lo
 
 
+@_jit
+def _read_pair(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, idx: np.ndarray, sparse: bool,
+               start: int, nnz: int, out: np.ndarray, values: np.ndarray, scales: np.ndarray, bucket: int, nch: int,
+               ca: int, cb: int):
+    """Chunks ``ca`` and ``cb`` (``cb == ca`` for an odd last chunk, read once) from their index rows:
+    ``(error code, bit position)`` of each. (A function of its own: numba compiles a ``prange`` body
+    several times slower than a plain function.)"""
+    end = buf.shape[0] * 8
+    loa, hia, pa, ea, qa, na, ra = _row(idx, ca, nch, n, start, end, nnz)
+    lob, hib, pb, eb, qb, nb, rb = _row(idx, cb, nch, n, start, end, nnz)
+    da = np.empty(hia - loa, np.uint8) if values.shape[0] else out[loa:hia]
+    db = np.empty(hib - lob, np.uint8) if values.shape[0] else out[lob:hib]
+    if sparse:
+        da[:] = s
+        db[:] = s
+        # each chunk's first item on its own (it alone may land before the chunk), then both in step
+        erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, min(na, 1), 0, hia - loa, s, tab, da)
+        errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, min(nb, 1), 0, hib - lob, s, tab, db)
+        if erra == OK and errb == OK and cb != ca:
+            erra, pa, qa, errb, pb, qb = _sparse_pair(buf, pad, s, tab, pa, ea, qa, na - min(na, 1), hia - loa,
+                                                      da, pb, eb, qb, nb - min(nb, 1), hib - lob, db)
+        else:
+            if erra == OK:
+                erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, na - min(na, 1), 0, hia - loa, s, tab, da)
+            if errb == OK and cb != ca:
+                errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, nb - min(nb, 1), 0, hib - lob, s, tab, db)
+        oka = erra == OK and (ca == nch - 1 or (pa == ea and qa == ra))
+        okb = errb == OK and (cb == nch - 1 or (pb == eb and qb == rb))
+    else:
+        if cb != ca:
+            erra, pa, errb, pb = _dense_pair(buf, pad, s, tab, pa, ea, hia - loa, da, pb, eb, hib - lob, db)
+        else:
+            erra, pa = read_dense(buf, pad, pa, ea, 0, hia - loa, s, tab, da)
+            errb, pb = erra, pa
+        oka = erra == OK and (ca == nch - 1 or pa == ea)
+        okb = errb == OK and (cb == nch - 1 or pb == eb)
+    erra = ERR_INDEX if erra == OK and not oka else erra
+    errb = ERR_INDEX if errb == OK and not okb else errb
+    if erra == OK and ca == nch - 1:
+        erra = check_tail(buf, pa)
+    if errb == OK and cb == nch - 1:
+        errb = check_tail(buf, pb)
+    if erra == OK and values.shape[0]:
+        _dequantize(da, loa, s, scales, bucket, values)
+    if errb == OK and values.shape[0] and cb != ca:
+        _dequantize(db, lob, s, scales, bucket, values)
+    if cb == ca:
+        return erra, pa, erra, pa
+    return erra, pa, errb, pb
+
+
 @_pjit
 def _read_chunks(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, idx: np.ndarray, sparse: bool,
                  start: int, nnz: int, out: np.ndarray, values: np.ndarray, scales: np.ndarray, bucket: int,
                  errs: np.ndarray, where: np.ndarray) -> None:
-    """The chunks from their index rows, two per thread step (:func:`_sparse_pair`), into ``out[lo:hi]``
+    """The chunks from their index rows, two per thread step (:func:`_read_pair`), into ``out[lo:hi]``
     (fields) or, when ``values`` is not empty, through chunk-sized buffers (in cache) dequantized into
     ``values[lo:hi]``. Each chunk's error code and bit position go to ``errs`` and ``where``."""
     nch = errs.shape[0]
-    end = buf.shape[0] * 8
     for j in prange((nch + 1) // 2):
         ca = 2 * j
-        cb = min(ca + 1, nch - 1)   # (an odd last chunk pairs with itself and is read once)
-        loa, hia, pa, ea, qa, na, ra = _row(idx, ca, nch, n, start, end, nnz)
-        lob, hib, pb, eb, qb, nb, rb = _row(idx, cb, nch, n, start, end, nnz)
-        da = np.empty(hia - loa, np.uint8) if values.shape[0] else out[loa:hia]
-        db = np.empty(hib - lob, np.uint8) if values.shape[0] else out[lob:hib]
-        if sparse:
-            da[:] = s
-            db[:] = s
-            # each chunk's first item on its own (it alone may land before the chunk), then both in step
-            erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, min(na, 1), 0, hia - loa, s, tab, da)
-            errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, min(nb, 1), 0, hib - lob, s, tab, db)
-            if erra == OK and errb == OK and cb != ca:
-                erra, pa, qa, errb, pb, qb = _sparse_pair(buf, pad, s, tab, pa, ea, qa, na - min(na, 1), hia - loa,
-                                                          da, pb, eb, qb, nb - min(nb, 1), hib - lob, db)
-            else:
-                if erra == OK:
-                    erra, pa, qa = read_sparse(buf, pad, pa, ea, qa, na - min(na, 1), 0, hia - loa, s, tab, da)
-                if errb == OK and cb != ca:
-                    errb, pb, qb = read_sparse(buf, pad, pb, eb, qb, nb - min(nb, 1), 0, hib - lob, s, tab, db)
-            oka = erra == OK and (ca == nch - 1 or (pa == ea and qa == ra))
-            okb = errb == OK and (cb == nch - 1 or (pb == eb and qb == rb))
-        else:
-            if cb != ca:
-                erra, pa, errb, pb = _dense_pair(buf, pad, s, tab, pa, ea, hia - loa, da, pb, eb, hib - lob, db)
-            else:
-                erra, pa = read_dense(buf, pad, pa, ea, 0, hia - loa, s, tab, da)
-                errb, pb = erra, pa
-            oka = erra == OK and (ca == nch - 1 or pa == ea)
-            okb = errb == OK and (cb == nch - 1 or pb == eb)
-        erra = ERR_INDEX if erra == OK and not oka else erra
-        errb = ERR_INDEX if errb == OK and not okb else errb
-        if erra == OK and ca == nch - 1:
-            erra = check_tail(buf, pa)
-        if errb == OK and cb == nch - 1:
-            errb = check_tail(buf, pb)
-        if erra == OK and values.shape[0]:
-            _dequantize(da, loa, s, scales, bucket, values)
-        if errb == OK and values.shape[0] and cb != ca:
-            _dequantize(db, lob, s, scales, bucket, values)
+        cb = min(ca + 1, nch - 1)
+        erra, pa, errb, pb = _read_pair(buf, pad, n, s, tab, idx, sparse, start, nnz, out, values, scales, bucket,
+                                        nch, ca, cb)
         errs[ca] = erra
         where[ca] = pa
-        errs[cb] = errb if cb != ca else erra
-        where[cb] = pb if cb != ca else pa
+        errs[cb] = errb
+        where[cb] = pb
 
 
 def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: Optional[np.ndarray], *,
