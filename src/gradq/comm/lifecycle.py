@@ -161,11 +161,9 @@ def _exit_teardown() -> None:
         return
     if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
         return   # ended by an uncaught exception: a gloo thread may be blocked in a collective
-    try:
+    try:   # (gradq's own threads were stopped already, by the pre-shutdown hook below)
         if _gloo_group_alive():
             teardown()
-        else:
-            stop_threads()
     except Exception:  # never turn a clean exit into a failing one
         pass
 
