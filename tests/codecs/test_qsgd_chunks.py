@@ -31,10 +31,19 @@ def _codes(kind: str, s: int) -> torch.Tensor:
         c = g.integers(-s, s + 1, N)
     elif kind == "mixed":
         c = g.integers(-s, s + 1, N) * (g.random(N) < 0.3)
+    elif kind in ("dense first", "dense later"):
+        # |c| in 4…6 takes a bit less dense than sparse (omega(|c| + 1) has the length of omega(|c|)),
+        # a run of zeros a bit a value more: the first chunk predicts one layout, the whole the other
+        big = g.integers(4, 7, N) if s >= 7 else np.ones(N, np.int64)
+        if kind == "dense first":
+            c[:CHUNK] = big[:CHUNK]
+        else:
+            c[:CHUNK] = big[:CHUNK] * (g.random(CHUNK) < 0.05)
+            c[CHUNK:] = big[CHUNK:]
     return torch.from_numpy(c)
 
 
-KINDS = ["edges", "long gaps", "one", "zeros", "dense", "mixed"]
+KINDS = ["edges", "long gaps", "one", "zeros", "dense", "mixed", "dense first", "dense later"]
 
 
 @pytest.mark.parametrize("s", [1, 7, 127])
@@ -46,6 +55,8 @@ def test_chunked_writer_and_reader_agree_with_the_serial_codec(kind, s):
         stream, index = encode_fields_stream(fields, s, layout, index=True)
         want, want_index = encode_stream(codes, s, layout, index=True)
         assert torch.equal(stream, want), layout
+        if layout == "auto" and kind.startswith("dense ") and s >= 7:   # (not the first chunk's layout)
+            assert (stream[0] >> 7) == (kind == "dense later")
         assert torch.equal(index, want_index) and index.numel() == index_len(N) == 12, layout
         out = torch.full((N,), 255, dtype=torch.uint8)        # the reader fills every value itself
         assert decode_fields_stream(stream, N, s, out=out, index=index) is out
@@ -131,3 +142,35 @@ def test_decode_into_out_dequantizes_by_chunks_bit_for_bit(spec):
     bad["crc"] = crc_field(bad["stream"], bad["index"])   # a consistent CRC: the index check must catch it
     with pytest.raises(PayloadError):
         q.decode(gradq.Payload(p.spec, p.shape, p.dtype, p.numel, bad), out=out)
+
+
+@pytest.mark.parametrize("s", [1, 7, 127])
+def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
+    """``auto`` takes the dense layout without writing the sparse one when a lower bound of the sparse
+    bits (every gap ≥ 1 bit, ≥ 3 after a zero) already exceeds the dense bits: the bound must hold
+    for every kind of vector, exactly computed here from the codes, and it must settle the plain
+    dense case (so that the test above covers that path too). Fields of up to 4 bits have their
+    dense bits counted by the sparse pair writer instead: that count must be exact."""
+    from gradq.codecs.elias import omega_len
+    from gradq.codecs.qsgd_chunks import (_chunk_bodies, _dense_counts, _packed_bits, _sparse_floor, item_code_table,
+                                          pair_code_table)
+    from gradq.codecs.qsgd_fields import field_tables
+
+    sc, sl, dc, dl = field_tables(s)
+    for kind in KINDS:
+        codes = _codes(kind, s).numpy()
+        f = (codes + s).astype(np.uint8)
+        pos = np.flatnonzero(codes)
+        gaps = np.diff(np.concatenate(([-1], pos)))
+        exact = omega_len(pos.size + 1) + int(sl[f[pos]].sum()) + sum(omega_len(int(g)) for g in gaps)
+        counts = _dense_counts(f, s, _packed_bits(sl, dl))
+        assert int(counts[0].sum()) == int(dl[f].sum())
+        table, shift = item_code_table(s)
+        if shift <= 4:   # the pair writer counts the dense bits while it writes the sparse items
+            scratch = np.zeros(-(-N // CHUNK) * (2 * CHUNK + 16), np.uint8)
+            tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pair_code_table(s), scratch, 2 * CHUNK + 16,
+                                  True)[4]
+            assert int(tally.sum()) == int(dl[f].sum()), kind
+        assert _sparse_floor(counts) <= exact, kind
+        if kind == "dense" and s == 127:
+            assert _sparse_floor(counts) > int(counts[0].sum())

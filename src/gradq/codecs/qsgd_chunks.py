@@ -30,7 +30,7 @@ from functools import lru_cache
 import numpy as np
 
 from .elias import _OMEGA_CODE, _OMEGA_LEN, flush, omega_len, omega_pieces
-from .qsgd_fields import _CHUNK, _jit, _pjit, _put_pieces, field_tables, prange
+from .qsgd_fields import _CHUNK, _inline, _jit, _pjit, _put_pieces, field_tables, prange
 
 __all__ = ["CHUNK", "index_len", "encode_fields"]
 
@@ -50,122 +50,265 @@ _NEAR = 16
 
 
 @lru_cache(maxsize=None)
-def item_code_table(s: int) -> np.ndarray:
-    """Per ``(gap, field)`` with ``gap < 16`` and ``field ≤ 2s + 1``, index ``gap·(2s + 2) + field``: the
-    sparse item (the gap's omega code, the sign, omega(|c|)) as ``code << 5 | length``, right-aligned;
-    0 (no bits) for the zero field ``s``, for ``2s + 1`` (which stands for every invalid field) and for
-    gap 0. int32, so that the table stays in the L1 cache (1 KiB for 4 bits, 16 KiB for 8)."""
+def item_code_table(s: int) -> tuple[np.ndarray, int]:
+    """``(table, shift)``: per ``(gap, field)`` with ``gap < 16`` and ``field ≤ 2s``, at index ``gap <<
+    shift | field`` (a row is the power of two above ``2s``), the sparse item (the gap's omega code,
+    the sign, omega(|c|)) as ``code << 5 | length``, right-aligned; 0 (no bits) for the zero field
+    ``s`` and for gap 0. int32, so that the table stays in the L1 cache (1 KiB for 4 bits, 16 KiB
+    for 8)."""
     sc, sl, _, _ = field_tables(s)
-    w = 2 * s + 2
-    table = np.zeros(_NEAR * w, np.int32)
+    shift = (2 * s).bit_length()
+    table = np.zeros(_NEAR << shift, np.int32)
     for g in range(1, _NEAR):
         for v in range(2 * s + 1):
             if v != s:
                 code = (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v])
-                table[g * w + v] = (code << 5) | (int(_OMEGA_LEN[g]) + int(sl[v]))
+                table[g << shift | v] = (code << 5) | (int(_OMEGA_LEN[g]) + int(sl[v]))
+    return table, shift
+
+
+#: the pair writer's gaps: below this (and a field row of at most ``1 << _PAIR_SHIFT``), two values take
+#: one look-up
+_PAIR_GAPS = 15
+_PAIR_SHIFT = 4
+_NO_PAIRS = np.zeros(0, np.int32)
+
+
+@lru_cache(maxsize=None)
+def pair_code_table(s: int) -> np.ndarray:
+    """Per ``(gap, field, next field)``, index ``gap << 2·shift | field << shift | next`` (``shift``
+    as :func:`item_code_table`'s, at most 4; ``1 ≤ gap < 15``): the sparse items of the two values
+    (the first one's gap is ``gap``, the second's 1 after a nonzero, ``gap + 1`` after a zero) as
+    ``dense << 27 | code << 5 | length``: at most 22 bits of code, and the two values' bits in the
+    dense layout (at most 16) on top (15 KiB for 4 bits)."""
+    sc, sl, _, dl = field_tables(s)
+    shift = (2 * s).bit_length()
+    table = np.zeros(_PAIR_GAPS << (2 * shift), np.int32)
+
+    def item(g, v):
+        return (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v]), int(_OMEGA_LEN[g]) + int(sl[v])
+
+    for g in range(1, _PAIR_GAPS):
+        for a in range(2 * s + 1):
+            for b in range(2 * s + 1):
+                code, ln = 0, 0
+                if a != s:
+                    code, ln = item(g, a)
+                if b != s:
+                    c2, l2 = item(1 if a != s else g + 1, b)
+                    code, ln = (code << l2) | c2, ln + l2
+                dense = int(dl[a]) + int(dl[b])
+                table[g << (2 * shift) | a << shift | b] = np.int32(np.uint32((dense << 27) | (code << 5) | ln))
     return table
 
 
 @_jit
-def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
-                  table: np.ndarray, scratch: np.ndarray, o0: int):
-    """One chunk's sparse items from ``scratch[o0]``, the first one without its gap: ``(bits, first
-    nonzero, last nonzero, nonzeros, dense bits, largest field)``.
+def _bswap32(w: int) -> int:
+    """The 32-bit word ``w`` with its bytes reversed (compiles to one instruction)."""
+    return ((w >> 24) & 0xFF) | ((w >> 8) & 0xFF00) | ((w << 8) & 0xFF0000) | ((w << 24) & 0xFF000000)
+
+
+@_inline
+def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, table: np.ndarray,
+                  shift: int, scratch: np.ndarray, o0: int, eager: bool):
+    """One chunk's sparse items into ``scratch`` from byte ``o0`` (a multiple of 4), the first one
+    without its gap: ``(bits, first nonzero, last nonzero, nonzeros)``. Every field must be ``≤ 2s``.
 
     Every value goes through the same steps, zeros included (they add 0 bits from ``table``, see
     :func:`item_code_table`), so that nothing branches on whether a value is zero, which is
     unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a branch (to write the
-    gap from its pieces). The first nonzero is found by a loop of its own."""
+    gap from its pieces). With ``eager`` (most values nonzero) neither is there a branch on whether a
+    word is complete (:func:`_put_word`). Indices are unsigned (numba adds no wrap-around for them)."""
     fst = e0
     while fst < e1 and np.int64(f[fst]) == s:
         fst += 1
     if fst == e1:
-        return 0, -1, -1, 0, (e1 - e0) * dl[s], s
-    v = np.int64(f[fst])
+        return 0, -1, -1, 0
+    words = scratch.view(np.uint32)
+    v = np.uint64(f[fst])
     acc = sc[v]
     nacc = sl[v]
-    d = (fst - e0) * dl[s] + dl[v]
-    top = v
-    o = o0
+    o = np.uint64(o0 >> 2)
     last = fst
     z = 1
-    w = 2 * s + 2
+    sh = np.uint64(shift)
     for i in range(fst + 1, e1):
-        v = np.int64(f[i])
+        v = np.uint64(f[np.uint64(i)])
         nz = v != s
         g = i - last
-        d += dl[v]
-        top = v if v > top else top
         if g >= _NEAR and nz:   # a long gap: its pieces, then the item
-            o, acc, nacc = _put_pieces(scratch, o, acc, nacc, omega_pieces(g))
+            ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
+            o = np.uint64(ob >> 2)
             acc = (acc << sl[v]) | sc[v]
             nacc += sl[v]
         else:
-            e = np.int64(table[(g if g < _NEAR else _NEAR - 1) * w + (v if v < w else w - 1)])
+            e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
             ln = e & 31
             acc = (acc << ln) | (e >> 5)
             nacc += ln
         last = i if nz else last
         z += nz
-        if nacc >= 32:
+        if eager:
+            words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
+            o += np.uint64(nacc >> 5)
+            nacc &= 31
+        elif nacc >= 32:
             nacc -= 32
-            x = acc >> nacc
-            scratch[o] = (x >> 24) & 0xFF
-            scratch[o + 1] = (x >> 16) & 0xFF
-            scratch[o + 2] = (x >> 8) & 0xFF
-            scratch[o + 3] = x & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-    bits = (o - o0) * 8 + nacc
-    flush(scratch, o, acc, nacc)
-    return bits, fst, last, z, d, top
+            words[o] = _bswap32((acc >> nacc) & 0xFFFFFFFF)
+            o += np.uint64(1)
+    ob = np.int64(o) * 4
+    flush(scratch, ob, acc, nacc)
+    return (ob - o0) * 8 + nacc, fst, last, z
+
+
+# :func:`_sparse_chunk` compiled twice, its flag a constant in each (a flag read in the loop cost up
+# to a third of its speed)
+@_jit
+def _sparse_eager(f, e0, e1, s, sc, sl, table, shift, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, table, shift, scratch, o0, True)
 
 
 @_jit
-def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, dl: np.ndarray):
-    """``(dense bits, fields above 2s)`` of ``f[e0:e1]``."""
-    d = 0
+def _sparse_lazy(f, e0, e1, s, sc, sl, table, shift, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, table, shift, scratch, o0, False)
+
+
+@_jit
+def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
+                  table: np.ndarray, shift: int, pairs: np.ndarray, scratch: np.ndarray, o0: int):
+    """:func:`_sparse_chunk` (eager) two values at a time while the gap is short (:func:`pair_code_table`:
+    fields of at most 4 bits), a value at a time, as there, after a run of zeros; it also counts the
+    dense layout's bits: ``(bits, first nonzero, last nonzero, nonzeros, dense bits)``."""
+    fst = e0
+    while fst < e1 and np.int64(f[fst]) == s:
+        fst += 1
+    if fst == e1:
+        return 0, -1, -1, 0, (e1 - e0) * dl[s]
+    words = scratch.view(np.uint32)
+    v = np.uint64(f[fst])
+    d = (fst - e0) * dl[s] + dl[v]
+    acc = sc[v]
+    nacc = sl[v]
+    o = np.uint64(o0 >> 2)
+    last = fst
+    z = 1
+    sh = np.uint64(shift)
+    sh2 = np.uint64(2 * shift)
+    i = fst + 1
+    while i < e1:
+        g = i - last
+        if g < _PAIR_GAPS and i + 1 < e1:
+            v = np.uint64(f[np.uint64(i)])
+            v2 = np.uint64(f[np.uint64(i + 1)])
+            e = np.int64(np.uint32(pairs[(np.uint64(g) << sh2) | (v << sh) | v2]))
+            ln = e & 31
+            acc = (acc << ln) | ((e >> 5) & 0x3FFFFF)
+            nacc += ln
+            d += e >> 27
+            nz = v != s
+            nz2 = v2 != s
+            last = i + 1 if nz2 else (i if nz else last)
+            z += nz + nz2
+            i += 2
+        else:
+            v = np.uint64(f[np.uint64(i)])
+            nz = v != s
+            if g >= _NEAR and nz:   # a long gap: its pieces, then the item
+                ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
+                o = np.uint64(ob >> 2)
+                acc = (acc << sl[v]) | sc[v]
+                nacc += sl[v]
+            else:
+                e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
+                ln = e & 31
+                acc = (acc << ln) | (e >> 5)
+                nacc += ln
+            last = i if nz else last
+            z += nz
+            d += dl[v]
+            i += 1
+        words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
+        o += np.uint64(nacc >> 5)
+        nacc &= 31
+    ob = np.int64(o) * 4
+    flush(scratch, ob, acc, nacc)
+    return (ob - o0) * 8 + nacc, fst, last, z, d
+
+
+@_jit
+def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray):
+    """``(dense bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)`` of
+    ``f[e0:e1]`` (at ``e0 = 0`` the first value has a gap of 1, as after a nonzero); ``pk[v]`` packs the dense
+    bits and (from bit 24) the sparse sign and magnitude bits of field ``v``."""
+    acc = 0
+    z = 0
+    r = 0
     b = 0
     top = 2 * s
+    prev = np.int64(f[e0 - 1]) != s if e0 else True
     for i in range(e0, e1):
         v = np.int64(f[i])
-        d += dl[v]
+        nz = v != s
+        acc += pk[v]
+        z += nz
+        r += nz and not prev
+        prev = nz
         b += v > top
-    return d, b
+    return acc & 0xFFFFFF, acc >> 24, z, r, b
 
 
 @_pjit
-def _sparse_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray, table: np.ndarray,
-                   scratch: np.ndarray, stride: int):
-    """Per chunk, into ``scratch[c·stride:]``: its sparse items without the first one's gap. Returns
-    per chunk ``(body bits, first nonzero, last nonzero, nonzeros, dense bits, fields above 2s)``."""
+def _chunk_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray, table: np.ndarray,
+                  shift: int, pairs: np.ndarray, scratch: np.ndarray, stride: int, eager: bool):
+    """Per chunk, into ``scratch[c·stride:]``: its sparse items without the first one's gap
+    (:func:`_sparse_pairs` when ``pairs`` is not empty, else :func:`_sparse_chunk`). Returns per chunk
+    ``(sparse bits, first nonzero, last nonzero, nonzeros, dense bits)``; the dense bits are counted
+    by the pair writer only (0 otherwise)."""
     n = f.shape[0]
     nch = (n + _CHUNK - 1) // _CHUNK
-    nbits = np.zeros(nch, np.int64)
+    sparse = np.zeros(nch, np.int64)
     first = np.full(nch, -1, np.int64)
     last = np.full(nch, -1, np.int64)
     count = np.zeros(nch, np.int64)
     dense = np.zeros(nch, np.int64)
-    bad = np.zeros(nch, np.int64)
     for c in prange(nch):
         e0 = c * _CHUNK
         e1 = min(n, e0 + _CHUNK)
-        nbits[c], first[c], last[c], count[c], dense[c], top = _sparse_chunk(f, e0, e1, s, sc, sl, dl, table,
-                                                                             scratch, c * stride)
-        bad[c] = top > 2 * s   # (a field above 2s: counted again exactly to report it)
-    return nbits, first, last, count, dense, bad
+        if pairs.size:
+            sparse[c], first[c], last[c], count[c], dense[c] = _sparse_pairs(f, e0, e1, s, sc, sl, dl, table, shift,
+                                                                             pairs, scratch, c * stride)
+        elif eager:
+            sparse[c], first[c], last[c], count[c] = _sparse_eager(f, e0, e1, s, sc, sl, table, shift, scratch,
+                                                                   c * stride)
+        else:
+            sparse[c], first[c], last[c], count[c] = _sparse_lazy(f, e0, e1, s, sc, sl, table, shift, scratch,
+                                                                  c * stride)
+    return sparse, first, last, count, dense
+
+
+def _packed_bits(sl: np.ndarray, dl: np.ndarray) -> np.ndarray:
+    """``dl | sl << 24`` per field: both sums of a chunk (under 2**22 each) in one integer."""
+    return dl | (sl << 24)
 
 
 @_pjit
-def _dense_counts(f: np.ndarray, s: int, dl: np.ndarray):
-    """Per chunk ``(dense bits, fields above 2s)``."""
+def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray):
+    """Per chunk (:func:`_dense_chunk`): ``(dense bits, sparse bits without gaps, nonzeros, nonzeros
+    after a zero, fields above 2s)``."""
     n = f.shape[0]
     nch = (n + _CHUNK - 1) // _CHUNK
-    dense = np.zeros(nch, np.int64)
-    bad = np.zeros(nch, np.int64)
+    out = np.zeros((5, nch), np.int64)
     for c in prange(nch):
-        dense[c], bad[c] = _dense_chunk(f, c * _CHUNK, min(n, (c + 1) * _CHUNK), s, dl)
-    return dense, bad
+        e0 = c * _CHUNK
+        out[0, c], out[1, c], out[2, c], out[3, c], out[4, c] = _dense_chunk(f, e0, min(n, e0 + _CHUNK), s, pk)
+    return out
+
+
+def _sparse_floor(counts: np.ndarray) -> int:
+    """A lower bound of the sparse layout's bits (without the flag) from :func:`_dense_counts`: every
+    gap takes at least 1 bit, and one after a zero (a gap of 2 or more) at least 3."""
+    nnz = int(counts[2].sum())
+    return omega_len(nnz + 1) + int(counts[1].sum()) + nnz + 2 * int(counts[3].sum())
 
 
 @_jit
@@ -196,14 +339,15 @@ def _end_chunk(buf: np.ndarray, o: int, acc: int, nacc: int) -> int:
 
 @_jit
 def _place(body: np.ndarray, nb: int, gap: int, st: int, buf: np.ndarray) -> int:
-    """The omega code of ``gap`` and the ``nb`` bits of ``body`` at bit ``st`` of ``buf``: the whole
-    bytes (the first holds zeros before bit ``st``); returns the partial last byte, left-aligned (0 when
-    none). The body is shifted into place a byte at a time with no carried state, a loop the compiler
-    vectorizes."""
+    """The omega code of ``gap`` (none for 0) and the ``nb`` bits of ``body`` at bit ``st`` of ``buf``:
+    the whole bytes (the first holds zeros before bit ``st``); returns the partial last byte,
+    left-aligned (0 when none). The body is shifted into place a byte at a time with no carried state,
+    a loop the compiler vectorizes."""
     o = st >> 3
     acc = 0
     nacc = st & 7
-    o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(gap))
+    if gap:
+        o, acc, nacc = _put_pieces(buf, o, acc, nacc, omega_pieces(gap))
     while nacc >= 8:
         nacc -= 8
         buf[o] = (acc >> nacc) & 0xFF
@@ -233,11 +377,12 @@ def _place(body: np.ndarray, nb: int, gap: int, st: int, buf: np.ndarray) -> int
 @_pjit
 def _assemble(scratch: np.ndarray, stride: int, nbits: np.ndarray, gaps: np.ndarray, starts: np.ndarray,
               buf: np.ndarray, tails: np.ndarray) -> None:
-    """Chunk ``c``'s first gap (``gaps[c] > 0``; 0: no nonzero, no bits) and body at bit ``starts[c]``
-    of ``buf`` (:func:`_place`), its partial last byte into ``tails[c]``."""
+    """Chunk ``c``'s first gap (``gaps[c] > 0``; none for 0) and body (``nbits[c]`` bits from
+    ``scratch[c·stride:]``) at bit ``starts[c]`` of ``buf`` (:func:`_place`), its partial last byte
+    into ``tails[c]``. A chunk with neither writes nothing."""
     for c in prange(nbits.shape[0]):
         t = 0
-        if gaps[c]:
+        if gaps[c] or nbits[c]:
             t = _place(scratch[c * stride:(c + 1) * stride], nbits[c], gaps[c], starts[c], buf)
         tails[c] = t
 
@@ -294,19 +439,25 @@ def _join(buf: np.ndarray, head_bits: int, pend: int, starts: np.ndarray, length
         buf[end >> 3] = pend
 
 
-def _dense_stream(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _dense_stream(dense: np.ndarray, write) -> tuple[np.ndarray, np.ndarray]:
+    """The dense stream and its index, given each chunk's bits; ``write(starts, buf, tails)`` puts
+    every chunk at its bit in ``buf`` and its partial last byte in ``tails``."""
     nch = dense.shape[0]
-    starts = 1 + np.concatenate(([0], np.cumsum(dense)[:-1])) if nch else np.zeros(0, np.int64)
-    total = 1 + int(dense.sum())
-    buf = np.empty((total + 7) // 8, np.uint8)
+    starts = 1 + np.concatenate(([0], np.cumsum(dense)[:-1])).astype(np.int64) if nch else dense
+    buf = np.empty((1 + int(dense.sum()) + 7) // 8, np.uint8)
     tails = np.zeros(nch, np.int64)
-    _write_dense(f, dc, dl, starts.astype(np.int64), buf, tails)
-    _join(buf, 1, 0x80, starts.astype(np.int64), dense, tails)
+    write(starts, buf, tails)
+    _join(buf, 1, 0x80, starts, dense, tails)
     idx = np.empty((max(0, nch - 1), _COLS), np.int64)
     if nch > 1:
         idx[:, 0] = starts[1:]
         idx[:, 1] = idx[:, 2] = np.arange(1, nch, dtype=np.int64) * CHUNK
     return buf, idx.reshape(-1)
+
+
+def _direct_dense(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The dense stream written straight into place, given each chunk's bits (:func:`_write_dense`)."""
+    return _dense_stream(dense, lambda starts, buf, tails: _write_dense(f, dc, dl, starts, buf, tails))
 
 
 _LOCAL = threading.local()
@@ -323,18 +474,35 @@ def _scratch(nbytes: int) -> np.ndarray:
 
 
 def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
-    """The stream (uint8) and its chunk index (int64) of the uint8 fields ``f`` (``c + s``)."""
+    """The stream (uint8) and its chunk index (int64) of the uint8 fields ``f`` (``c + s``).
+
+    The dense layout is written straight into place once each chunk's bits are counted; the sparse
+    one goes to a scratch area by chunks, then into place. For ``auto`` the exact lengths decide.
+    With fields of up to 4 bits the pair writer counts the dense bits while it writes the sparse
+    items (QSGD at 2 to 4 bits is usually shorter sparse). With wider ones the dense bits are
+    counted first, together with a lower bound of the sparse ones (:func:`_sparse_floor`), which
+    usually settles a dense win without writing the sparse items (QSGD at 8 bits)."""
     sc, sl, dc, dl = field_tables(s)
-    nch = -(-f.shape[0] // CHUNK)
-    if layout == "dense":
-        dense, bad = _dense_counts(f, s, dl)
-        _check_bad(int(bad.sum()), s)
-        return _dense_stream(f, dc, dl, dense)
+    n = f.shape[0]
+    nch = -(-n // CHUNK)
+    table, shift = item_code_table(s)
+    pairs = pair_code_table(s) if shift <= _PAIR_SHIFT and layout != "dense" else _NO_PAIRS
+    dense = None
+    if layout == "dense" or (layout == "auto" and not pairs.size):
+        counts = _dense_counts(f, s, _packed_bits(sl, dl))
+        _check_bad(int(counts[4].sum()), s)
+        dense = counts[0]
+        if layout == "dense" or _sparse_floor(counts) > dense.sum():
+            return _direct_dense(f, dc, dl, dense)
+    elif n and int(f.max()) > 2 * s:
+        _check_bad(int(_dense_counts(f, s, _packed_bits(sl, dl))[4].sum()), s)
     stride = 2 * CHUNK + 16   # ≤ 15.5 bits a value: 1.5 for gaps, 14 for a sign and omega(|c| ≤ 127)
     scratch = _scratch(nch * stride)
-    nbits, first, last, count, dense, bad = _sparse_bodies(f, s, sc, sl, dl, item_code_table(s), scratch, stride)
-    if bad.any():
-        _check_bad(int(_dense_counts(f, s, dl)[1].sum()), s)
+    m = min(n, CHUNK)   # (without pairs: the first chunk says whether most values are nonzero)
+    eager = not pairs.size and 2 * int(np.count_nonzero(f[:m] != s)) > m
+    nbits, first, last, count, tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pairs, scratch, stride, eager)
+    if layout == "auto" and pairs.size:
+        dense = tally
     nnz = int(count.sum())
     # each chunk's first gap: from the last nonzero of the chunks before (1-based; 0 = no nonzero)
     has = first >= 0
@@ -344,8 +512,8 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     gbits = np.array([omega_len(int(g)) if g else 0 for g in gaps], np.int64)
     lengths = gbits + nbits
     sparse_body = omega_len(nnz + 1) + int(lengths.sum())
-    if layout == "auto" and sparse_body > int(dense.sum()):
-        return _dense_stream(f, dc, dl, dense)
+    if dense is not None and sparse_body > int(dense.sum()):
+        return _direct_dense(f, dc, dl, dense)
     buf = np.empty((1 + sparse_body + 7) // 8, np.uint8)
     head_bits, pend = _head(buf, 0, nnz + 1)
     starts = head_bits + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) if nch else lengths

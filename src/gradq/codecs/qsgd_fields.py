@@ -31,13 +31,14 @@ try:
     import numba as _numba
 
     _jit = _numba.njit(cache=True, nogil=True)
+    _inline = _numba.njit(cache=True, nogil=True, inline="always")   # inlined in numba's IR (constant flags fold)
     _pjit = _numba.njit(cache=True, nogil=True, parallel=True)
     prange = _numba.prange
 except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.codecs.elias
     def _jit(fn):
         return fn
 
-    _pjit = _jit
+    _pjit = _inline = _jit
     prange = range
 
 __all__ = ["field_tables", "item_tables", "read_sparse", "read_dense", "read_fields_fast"]
