@@ -17,7 +17,7 @@ import numpy as np
 
 from .elias import ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK, check_tail, raise_for_error
 from .qsgd_chunks import _COLS, CHUNK, index_len
-from .qsgd_fields import _CHUNK, _jit, _omega, _peek, _pjit, item_tables, prange, read_dense, read_sparse
+from .qsgd_fields import _CHUNK, _IWIN, _jit, _omega, _pjit, item_tables, prange, read_dense, read_sparse
 
 __all__ = ["decode_fields"]
 
@@ -40,6 +40,16 @@ def _check_index(idx: np.ndarray, n: int, nch: int, sparse: bool, start: int, en
 
 
 @_jit
+def _upeek(pad: np.ndarray, p: int) -> np.uint64:
+    """:func:`gradq.codecs.qsgd_fields._peek` with unsigned indices (``p ≥ 0``: numba then adds no
+    wrap-around for negative ones)."""
+    i = np.uint64(p) >> np.uint64(3)
+    one = np.uint64(1)
+    w = (np.uint64(pad[i]) << np.uint64(16)) | (np.uint64(pad[i + one]) << np.uint64(8)) | np.uint64(pad[i + one + one])
+    return (w >> np.uint64(24 - _IWIN - (p & 7))) & np.uint64((1 << _IWIN) - 1)
+
+
+@_jit
 def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
                  pa: int, ea: int, qa: int, na: int, ha: int, oa: np.ndarray,
                  pb: int, eb: int, qb: int, nb: int, hb: int, ob: np.ndarray):
@@ -51,15 +61,15 @@ def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
     kb = 0
     low = -(1 << 62)   # (the first items were read already: no lower bound left to check)
     while ka < na and kb < nb:
-        xa = np.int64(tab[_peek(pad, pa)])
-        xb = np.int64(tab[_peek(pad, pb)])
+        xa = np.int64(tab[_upeek(pad, pa)])
+        xb = np.int64(tab[_upeek(pad, pb)])
         la = xa & 31
         lb = xb & 31
         ga = xa >> 13
         gb = xb >> 13
         if la and pa + la <= ea and ga <= ha - qa:
             qa += ga
-            oa[qa - 1] = (xa >> 5) & 0xFF
+            oa[np.uint64(qa - 1)] = (xa >> 5) & 0xFF
             pa += la
         else:
             err, pa, qa = read_sparse(buf, pad, pa, ea, qa, 1, low, ha, s, tab, oa)
@@ -68,7 +78,7 @@ def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
         ka += 1
         if lb and pb + lb <= eb and gb <= hb - qb:
             qb += gb
-            ob[qb - 1] = (xb >> 5) & 0xFF
+            ob[np.uint64(qb - 1)] = (xb >> 5) & 0xFF
             pb += lb
         else:
             err, pb, qb = read_sparse(buf, pad, pb, eb, qb, 1, low, hb, s, tab, ob)
@@ -88,8 +98,8 @@ def _dense_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray, pa: i
     ia = 0
     ib = 0
     while ia < ha and ib < hb:
-        xa = np.int64(tab[_peek(pad, pa)])
-        xb = np.int64(tab[_peek(pad, pb)])
+        xa = np.int64(tab[_upeek(pad, pa)])
+        xb = np.int64(tab[_upeek(pad, pb)])
         la = xa & 31
         lb = xb & 31
         if la and pa + la <= ea:
@@ -116,7 +126,8 @@ def _dense_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray, pa: i
 
 @_jit
 def _dequantize(f: np.ndarray, lo: int, s: int, scales: np.ndarray, bucket: int, out: np.ndarray) -> None:
-    """``out[lo + i] = float32(f[i] − s)·(scale_b / s)``: gradq.kernels' uniform decode, bit for bit."""
+    """``out[lo + i] = float32(f[i] − s)·(scale_b / s)``: gradq.kernels' uniform decode, bit for bit.
+    (Each bucket's run is a pair of slices, so that the loop carries no offset and vectorizes.)"""
     sf = np.float32(s)
     hi = lo + f.shape[0]
     p = lo
@@ -124,8 +135,10 @@ def _dequantize(f: np.ndarray, lo: int, s: int, scales: np.ndarray, bucket: int,
         b = p // bucket
         q = min((b + 1) * bucket, hi)
         mult = scales[b] / sf
-        for i in range(p, q):
-            out[i] = np.float32(np.int32(f[i - lo]) - s) * mult
+        src = f[p - lo:q - lo]
+        dst = out[p:q]
+        for j in range(src.shape[0]):
+            dst[j] = np.float32(np.int32(src[j]) - s) * mult
         p = q
 
 
