@@ -12,12 +12,15 @@ the first, so nothing for up to :data:`CHUNK` values). For chunk ``c ≥ 1`` (va
 * the 1-based position of the last item before the chunk (0 when there is none; ``c·CHUNK`` dense).
 
 **Writing** (``encode_fields``). Each chunk writes its sparse items into a scratch area of its own,
-without the first item's gap (which depends on the chunks before), and counts the dense layout's bits
-on the way. Once every chunk's length is known, the chunks are copied into the stream at their bit
-offsets, the first gap put in front of each, again in parallel; the bytes that two chunks share are
-OR-ed together afterwards. The layout is chosen on exact lengths as before (the dense layout, when it
-is shorter, is written by a second parallel pass straight into the stream: its lengths were counted).
-The scratch is reserved at 2 bytes a value but only the written part is touched.
+without the first item's gap (which depends on the chunks before). Once every chunk's length is
+known, the chunks are copied into the stream at their bit offsets, the first gap put in front of
+each, again in parallel; the bytes that two chunks share are OR-ed together afterwards. Fields of up
+to 4 bits are written two at a time from one table (:func:`pair_code_table`), which also gives the
+dense layout's bits. The layout is chosen on exact lengths; the dense one, when it is shorter, is
+written by a parallel pass straight into the stream (its lengths were counted). For wider fields
+the dense bits are counted first, with a lower bound of the sparse bits that usually settles a
+dense win before any sparse item is written. The scratch is reserved at 2 bytes a value but only
+the written part is touched.
 
 **Reading** is :mod:`gradq.codecs.qsgd_chunks_read`.
 """
