@@ -111,6 +111,29 @@ def _bswap32(w: int) -> int:
     return ((w >> 24) & 0xFF) | ((w >> 8) & 0xFF00) | ((w << 8) & 0xFF0000) | ((w << 24) & 0xFF000000)
 
 
+@_jit
+def _first_nonzero(f: np.ndarray, e0: int, e1: int, s: int) -> int:
+    """The first position in ``[e0, e1)`` whose field is not ``s`` (``e1`` when none)."""
+    fst = e0
+    while fst < e1 and np.int64(f[fst]) == s:
+        fst += 1
+    return fst
+
+
+@_inline
+def _one_item(scratch: np.ndarray, o, acc: int, nacc: int, g: int, v, nz: bool, sc: np.ndarray, sl: np.ndarray,
+              table: np.ndarray, sh):
+    """Append the sparse item of field ``v`` after a gap of ``g`` (nothing for a zero) to the pending
+    bits: from ``table`` unless a nonzero follows a gap of 16 or more (then the gap from its pieces,
+    flushing whole words at word ``o``). Returns ``(o, acc, nacc)``."""
+    if g >= _NEAR and nz:
+        ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
+        return np.uint64(ob >> 2), (acc << sl[v]) | sc[v], nacc + sl[v]
+    e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
+    ln = e & 31
+    return o, (acc << ln) | (e >> 5), nacc + ln
+
+
 @_inline
 def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, table: np.ndarray,
                   shift: int, scratch: np.ndarray, o0: int, eager: bool):
@@ -120,11 +143,11 @@ def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
     Every value goes through the same steps, zeros included (they add 0 bits from ``table``, see
     :func:`item_code_table`), so that nothing branches on whether a value is zero, which is
     unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a branch (to write the
-    gap from its pieces). With ``eager`` (most values nonzero) neither is there a branch on whether a
-    word is complete (:func:`_put_word`). Indices are unsigned (numba adds no wrap-around for them)."""
-    fst = e0
-    while fst < e1 and np.int64(f[fst]) == s:
-        fst += 1
+    gap from its pieces, :func:`_one_item`). With ``eager`` (most values nonzero) neither is there a
+    branch on whether a word is complete: the word that would be flushed is stored every time
+    (big-endian), and the writer moves on by ``pending >> 5`` words (a store that is not kept is
+    overwritten by the next one). Indices are unsigned (numba adds no wrap-around for them)."""
+    fst = _first_nonzero(f, e0, e1, s)
     if fst == e1:
         return 0, -1, -1, 0
     words = scratch.view(np.uint32)
@@ -138,17 +161,7 @@ def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
     for i in range(fst + 1, e1):
         v = np.uint64(f[np.uint64(i)])
         nz = v != s
-        g = i - last
-        if g >= _NEAR and nz:   # a long gap: its pieces, then the item
-            ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
-            o = np.uint64(ob >> 2)
-            acc = (acc << sl[v]) | sc[v]
-            nacc += sl[v]
-        else:
-            e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
-            ln = e & 31
-            acc = (acc << ln) | (e >> 5)
-            nacc += ln
+        o, acc, nacc = _one_item(scratch, o, acc, nacc, i - last, v, nz, sc, sl, table, sh)
         last = i if nz else last
         z += nz
         if eager:
@@ -182,9 +195,7 @@ def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
     """:func:`_sparse_chunk` (eager) two values at a time while the gap is short (:func:`pair_code_table`:
     fields of at most 4 bits), a value at a time, as there, after a run of zeros; it also counts the
     dense layout's bits: ``(bits, first nonzero, last nonzero, nonzeros, dense bits)``."""
-    fst = e0
-    while fst < e1 and np.int64(f[fst]) == s:
-        fst += 1
+    fst = _first_nonzero(f, e0, e1, s)
     if fst == e1:
         return 0, -1, -1, 0, (e1 - e0) * dl[s]
     words = scratch.view(np.uint32)
@@ -216,16 +227,7 @@ def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
         else:
             v = np.uint64(f[np.uint64(i)])
             nz = v != s
-            if g >= _NEAR and nz:   # a long gap: its pieces, then the item
-                ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
-                o = np.uint64(ob >> 2)
-                acc = (acc << sl[v]) | sc[v]
-                nacc += sl[v]
-            else:
-                e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
-                ln = e & 31
-                acc = (acc << ln) | (e >> 5)
-                nacc += ln
+            o, acc, nacc = _one_item(scratch, o, acc, nacc, g, v, nz, sc, sl, table, sh)
             last = i if nz else last
             z += nz
             d += dl[v]
