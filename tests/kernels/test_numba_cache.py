@@ -1,4 +1,5 @@
-"""The numba kernels compile into a cache directory keyed by a hash of all their sources."""
+"""The numba kernels compile into a cache directory keyed by a hash of all their sources; the numba
+codecs into one keyed by theirs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ def test_cache_dir_settings():
     assert numba_cache.cache_dir({"GRADQ_NUMBA_CACHE": "/a"}) == os.path.join("/a", h)
     assert numba_cache.cache_dir({"NUMBA_CACHE_DIR": "/b"}) == os.path.join("/b", "gradq", h)
     assert numba_cache.cache_dir({"XDG_CACHE_HOME": "/c"}) == os.path.join("/c", "gradq", "numba", h)
+    c = numba_cache.source_hash(group="codecs")
+    assert c != h
+    assert numba_cache.cache_dir({"GRADQ_NUMBA_CACHE": "/a"}, group="codecs") == os.path.join("/a", f"codecs-{c}")
+
+
+def test_codec_hash_covers_every_numba_codec_module():
+    """Every module of gradq.codecs that compiles numba functions is in the codecs' hash (a module
+    left out could load stale code after an edit of a helper it inlines)."""
+    import gradq.codecs
+
+    folder = os.path.dirname(gradq.codecs.__file__)
+    jitted = sorted(name for name in os.listdir(folder) if name.endswith(".py")
+                    and any(k in open(os.path.join(folder, name)).read() for k in ("@_jit", "@_pjit", "@_inline")))
+    assert jitted and sorted(numba_cache.CODEC_SOURCES) == jitted
 
 
 @pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
@@ -43,3 +58,16 @@ def test_kernels_use_the_keyed_directory():
     for fn in (cpu.maxabs_scales, cpu_levels.run, cpu_binary.binary_encode):
         assert fn._cache._cache_path.startswith(want), fn
     assert config.CACHE_DIR != want   # numba's own setting is restored for other code
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_codecs_use_their_keyed_directory():
+    from numba.core import config
+
+    from gradq.codecs import elias, qsgd_chunks, qsgd_chunks_read, qsgd_fields, qsgd_stream
+
+    want = numba_cache.cache_dir(group="codecs")
+    for fn in (elias.read_omega, qsgd_fields.read_sparse, qsgd_stream._write_dense, qsgd_chunks._chunk_bodies,
+               qsgd_chunks_read._read_chunks):
+        assert fn._cache._cache_path.startswith(want), fn
+    assert config.CACHE_DIR != want

@@ -34,10 +34,12 @@ import torch
 from ..errors import PayloadError
 
 try:  # pragma: no cover - exercised by the environment, not by a test
-    import numba as _numba
+    from ..kernels.numba_cache import keyed_njit
 
-    def _jit(fn: Callable) -> Callable:
-        return _numba.njit(cache=True, nogil=True)(fn)
+    # compiled into a directory keyed by the codecs' sources (gradq.kernels.numba_cache): the modules
+    # that call these functions inline them, which numba's own per-file cache does not notice
+    # (keyed_njit imports numba: without it, ImportError)
+    _jit = keyed_njit("codecs", nogil=True)
 
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover

@@ -30,9 +30,12 @@ from .elias import (_OMEGA_CODE, _OMEGA_LEN, ERR_CODE, ERR_GAP, ERR_INDEX, ERR_N
 try:
     import numba as _numba
 
-    _jit = _numba.njit(cache=True, nogil=True)
-    _inline = _numba.njit(cache=True, nogil=True, inline="always")   # inlined in numba's IR (constant flags fold)
-    _pjit = _numba.njit(cache=True, nogil=True, parallel=True)
+    from ..kernels.numba_cache import keyed_njit
+
+    # (cached by a hash of the codecs' sources, as gradq.codecs.elias's functions)
+    _jit = keyed_njit("codecs", nogil=True)
+    _inline = keyed_njit("codecs", nogil=True, inline="always")   # inlined in numba's IR (constant flags fold)
+    _pjit = keyed_njit("codecs", nogil=True, parallel=True)
     prange = _numba.prange
 except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.codecs.elias
     def _jit(fn):
