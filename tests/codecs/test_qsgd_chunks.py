@@ -88,11 +88,11 @@ def test_any_other_index_is_refused(kind):
                 decode_fields_stream(stream, N, s, index=bad)
 
 
-@pytest.mark.parametrize("layout", ["sparse", "dense"])
-def test_damaged_streams_with_an_index(layout):
+@pytest.mark.parametrize("layout,s", [("sparse", 7), ("dense", 7), ("dense", 127)])
+def test_damaged_streams_with_an_index(layout, s):
     """Bit flips in a multi-chunk stream: the parallel reader refuses what the serial one refuses, and
-    whatever it accepts is exactly what the writer makes of the decoded fields (stream and index)."""
-    s = 7
+    whatever it accepts is exactly what the writer makes of the decoded fields (stream and index).
+    (Dense fields of 8 bits are read through the 16-bit window.)"""
     codes = _codes("mixed", s)
     stream, index = encode_fields_stream((codes + s).to(torch.uint8), s, layout, index=True)
     g = np.random.default_rng(5)
@@ -163,11 +163,11 @@ def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
         pos = np.flatnonzero(codes)
         gaps = np.diff(np.concatenate(([-1], pos)))
         exact = omega_len(pos.size + 1) + int(sl[f[pos]].sum()) + sum(omega_len(int(g)) for g in gaps)
-        counts = _dense_counts(f, s, _packed_bits(sl, dl))
+        scratch = np.zeros(-(-N // CHUNK) * (2 * CHUNK + 16), np.uint8)
+        counts = _dense_counts(f, s, _packed_bits(sl, dl), dc, scratch, 2 * CHUNK + 16, False)
         assert int(counts[0].sum()) == int(dl[f].sum())
         table, shift = item_code_table(s)
         if shift <= 4:   # the pair writer counts the dense bits while it writes the sparse items
-            scratch = np.zeros(-(-N // CHUNK) * (2 * CHUNK + 16), np.uint8)
             tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pair_code_table(s), scratch, 2 * CHUNK + 16,
                                   True)[4]
             assert int(tally.sum()) == int(dl[f].sum()), kind

@@ -240,11 +240,18 @@ def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
     return (ob - o0) * 8 + nacc, fst, last, z, d
 
 
-@_jit
-def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray):
+@_inline
+def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray,
+                 o0: int, write: bool):
     """``(dense bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)`` of
-    ``f[e0:e1]`` (at ``e0 = 0`` the first value has a gap of 1, as after a nonzero); ``pk[v]`` packs the dense
-    bits and (from bit 24) the sparse sign and magnitude bits of field ``v``."""
+    ``f[e0:e1]`` (at ``e0 = 0`` the first value has a gap of 1, as after a nonzero); ``pk[v]`` packs
+    the dense bits and (from bit 24) the sparse sign and magnitude bits of field ``v``. With
+    ``write``, the dense codes also go to ``scratch`` from byte ``o0`` (a multiple of 4), a word
+    stored for every value as :func:`_sparse_chunk` does (fields above ``2s`` write nothing)."""
+    words = scratch.view(np.uint32)
+    o = np.uint64(o0 >> 2)
+    w = 0
+    nacc = 0
     acc = 0
     z = 0
     r = 0
@@ -252,13 +259,22 @@ def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray):
     top = 2 * s
     prev = np.int64(f[e0 - 1]) != s if e0 else True
     for i in range(e0, e1):
-        v = np.int64(f[i])
+        v = np.uint64(f[np.uint64(i)])
         nz = v != s
-        acc += pk[v]
+        t = pk[v]
+        acc += t
         z += nz
         r += nz and not prev
         prev = nz
         b += v > top
+        if write:
+            w = (w << (t & 0xFFFFFF)) | dc[v]
+            nacc += t & 0xFFFFFF
+            words[o] = _bswap32((w >> (nacc & 31)) & 0xFFFFFFFF)
+            o += np.uint64(nacc >> 5)
+            nacc &= 31
+    if write:
+        flush(scratch, np.int64(o) * 4, w, nacc)
     return acc & 0xFFFFFF, acc >> 24, z, r, b
 
 
@@ -297,16 +313,33 @@ def _packed_bits(sl: np.ndarray, dl: np.ndarray) -> np.ndarray:
 
 
 @_pjit
-def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray):
+def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray, stride: int,
+                  write: bool):
     """Per chunk (:func:`_dense_chunk`): ``(dense bits, sparse bits without gaps, nonzeros, nonzeros
-    after a zero, fields above 2s)``."""
+    after a zero, fields above 2s)``; with ``write``, the dense codes into ``scratch[c·stride:]``."""
     n = f.shape[0]
     nch = (n + _CHUNK - 1) // _CHUNK
     out = np.zeros((5, nch), np.int64)
     for c in prange(nch):
         e0 = c * _CHUNK
-        out[0, c], out[1, c], out[2, c], out[3, c], out[4, c] = _dense_chunk(f, e0, min(n, e0 + _CHUNK), s, pk)
+        e1 = min(n, e0 + _CHUNK)
+        if write:
+            r = _dense_words(f, e0, e1, s, pk, dc, scratch, c * stride)
+        else:
+            r = _dense_tally(f, e0, e1, s, pk, dc, scratch, c * stride)
+        out[0, c], out[1, c], out[2, c], out[3, c], out[4, c] = r
     return out
+
+
+# :func:`_dense_chunk` compiled twice, its flag a constant in each
+@_jit
+def _dense_words(f, e0, e1, s, pk, dc, scratch, o0):
+    return _dense_chunk(f, e0, e1, s, pk, dc, scratch, o0, True)
+
+
+@_jit
+def _dense_tally(f, e0, e1, s, pk, dc, scratch, o0):
+    return _dense_chunk(f, e0, e1, s, pk, dc, scratch, o0, False)
 
 
 def _sparse_floor(counts: np.ndarray) -> int:
@@ -330,16 +363,6 @@ def _head(buf: np.ndarray, flag: int, value: int):
         buf[o] = (acc >> nacc) & 0xFF
         o += 1
     return bits, ((acc << (8 - nacc)) & 0xFF) if nacc else 0
-
-
-@_jit
-def _end_chunk(buf: np.ndarray, o: int, acc: int, nacc: int) -> int:
-    """Write the whole pending bytes; return the partial last one, left-aligned (0 when none)."""
-    while nacc >= 8:
-        nacc -= 8
-        buf[o] = (acc >> nacc) & 0xFF
-        o += 1
-    return ((acc << (8 - nacc)) & 0xFF) if nacc else 0
 
 
 @_jit
@@ -393,39 +416,6 @@ def _assemble(scratch: np.ndarray, stride: int, nbits: np.ndarray, gaps: np.ndar
 
 
 @_jit
-def _dense_chunk_write(f: np.ndarray, e0: int, e1: int, dc: np.ndarray, dl: np.ndarray, st: int,
-                       buf: np.ndarray) -> int:
-    """The dense codes of ``f[e0:e1]`` at bit ``st``, as :func:`_place` places a chunk: returns the
-    partial last byte."""
-    o = st >> 3
-    acc = 0
-    nacc = st & 7
-    for i in range(e0, e1):
-        v = np.int64(f[i])
-        acc = (acc << dl[v]) | dc[v]
-        nacc += dl[v]
-        if nacc >= 32:
-            nacc -= 32
-            w = acc >> nacc
-            buf[o] = (w >> 24) & 0xFF
-            buf[o + 1] = (w >> 16) & 0xFF
-            buf[o + 2] = (w >> 8) & 0xFF
-            buf[o + 3] = w & 0xFF
-            o += 4
-            acc &= (1 << nacc) - 1
-    return _end_chunk(buf, o, acc, nacc)
-
-
-@_pjit
-def _write_dense(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, starts: np.ndarray, buf: np.ndarray,
-                 tails: np.ndarray) -> None:
-    """Chunk ``c``'s dense codes at bit ``starts[c]`` (:func:`_dense_chunk_write`)."""
-    n = f.shape[0]
-    for c in prange(starts.shape[0]):
-        tails[c] = _dense_chunk_write(f, c * _CHUNK, min(n, (c + 1) * _CHUNK), dc, dl, starts[c], buf)
-
-
-@_jit
 def _join(buf: np.ndarray, head_bits: int, pend: int, starts: np.ndarray, lengths: np.ndarray,
           tails: np.ndarray) -> None:
     """OR the partial bytes that consecutive chunks share (in order, after the parallel writes) and
@@ -444,25 +434,20 @@ def _join(buf: np.ndarray, head_bits: int, pend: int, starts: np.ndarray, length
         buf[end >> 3] = pend
 
 
-def _dense_stream(dense: np.ndarray, write) -> tuple[np.ndarray, np.ndarray]:
-    """The dense stream and its index, given each chunk's bits; ``write(starts, buf, tails)`` puts
-    every chunk at its bit in ``buf`` and its partial last byte in ``tails``."""
+def _placed_dense(scratch: np.ndarray, stride: int, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The dense stream and its index from the chunks' dense codes in ``scratch`` (``dense[c]`` bits
+    from ``scratch[c·stride:]``, :func:`_dense_counts`), placed after the flag bit."""
     nch = dense.shape[0]
     starts = 1 + np.concatenate(([0], np.cumsum(dense)[:-1])).astype(np.int64) if nch else dense
     buf = np.empty((1 + int(dense.sum()) + 7) // 8, np.uint8)
     tails = np.zeros(nch, np.int64)
-    write(starts, buf, tails)
+    _assemble(scratch, stride, dense, np.zeros(nch, np.int64), starts, buf, tails)
     _join(buf, 1, 0x80, starts, dense, tails)
     idx = np.empty((max(0, nch - 1), _COLS), np.int64)
     if nch > 1:
         idx[:, 0] = starts[1:]
         idx[:, 1] = idx[:, 2] = np.arange(1, nch, dtype=np.int64) * CHUNK
     return buf, idx.reshape(-1)
-
-
-def _direct_dense(f: np.ndarray, dc: np.ndarray, dl: np.ndarray, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The dense stream written straight into place, given each chunk's bits (:func:`_write_dense`)."""
-    return _dense_stream(dense, lambda starts, buf, tails: _write_dense(f, dc, dl, starts, buf, tails))
 
 
 _LOCAL = threading.local()
@@ -481,28 +466,29 @@ def _scratch(nbytes: int) -> np.ndarray:
 def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
     """The stream (uint8) and its chunk index (int64) of the uint8 fields ``f`` (``c + s``).
 
-    The dense layout is written straight into place once each chunk's bits are counted; the sparse
-    one goes to a scratch area by chunks, then into place. For ``auto`` the exact lengths decide.
-    With fields of up to 4 bits the pair writer counts the dense bits while it writes the sparse
-    items (QSGD at 2 to 4 bits is usually shorter sparse). With wider ones the dense bits are
-    counted first, together with a lower bound of the sparse ones (:func:`_sparse_floor`), which
-    usually settles a dense win without writing the sparse items (QSGD at 8 bits)."""
+    Either layout goes to a scratch area by chunks, then into place. For ``auto`` the exact lengths
+    decide. With fields of up to 4 bits the pair writer counts the dense bits while it writes the
+    sparse items (QSGD at 2 to 4 bits is usually shorter sparse). With wider ones the dense codes are
+    written first, counting a lower bound of the sparse bits on the way (:func:`_sparse_floor`),
+    which usually settles a dense win without writing the sparse items (QSGD at 8 bits). The losing
+    layout is written only when that bound, or the first chunk, predicted wrong."""
     sc, sl, dc, dl = field_tables(s)
+    pk = _packed_bits(sl, dl)
     n = f.shape[0]
     nch = -(-n // CHUNK)
     table, shift = item_code_table(s)
     pairs = pair_code_table(s) if shift <= _PAIR_SHIFT and layout != "dense" else _NO_PAIRS
+    stride = 2 * CHUNK + 16   # ≤ 16 bits a value: a sparse item (1.5 for gaps, 14 for a sign and omega(|c| ≤ 127))
+    scratch = _scratch(nch * stride)   # or a dense one (omega(|c| + 1) and a sign: at most 15)
     dense = None
     if layout == "dense" or (layout == "auto" and not pairs.size):
-        counts = _dense_counts(f, s, _packed_bits(sl, dl))
+        counts = _dense_counts(f, s, pk, dc, scratch, stride, True)
         _check_bad(int(counts[4].sum()), s)
         dense = counts[0]
         if layout == "dense" or _sparse_floor(counts) > dense.sum():
-            return _direct_dense(f, dc, dl, dense)
+            return _placed_dense(scratch, stride, dense)
     elif n and int(f.max()) > 2 * s:
-        _check_bad(int(_dense_counts(f, s, _packed_bits(sl, dl))[4].sum()), s)
-    stride = 2 * CHUNK + 16   # ≤ 15.5 bits a value: 1.5 for gaps, 14 for a sign and omega(|c| ≤ 127)
-    scratch = _scratch(nch * stride)
+        _check_bad(int(_dense_counts(f, s, pk, dc, scratch, stride, False)[4].sum()), s)
     m = min(n, CHUNK)   # (without pairs: the first chunk says whether most values are nonzero)
     eager = not pairs.size and 2 * int(np.count_nonzero(f[:m] != s)) > m
     nbits, first, last, count, tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pairs, scratch, stride, eager)
@@ -517,8 +503,9 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     gbits = np.array([omega_len(int(g)) if g else 0 for g in gaps], np.int64)
     lengths = gbits + nbits
     sparse_body = omega_len(nnz + 1) + int(lengths.sum())
-    if dense is not None and sparse_body > int(dense.sum()):
-        return _direct_dense(f, dc, dl, dense)
+    if dense is not None and sparse_body > int(dense.sum()):   # (the sparse items took the scratch)
+        _dense_counts(f, s, pk, dc, scratch, stride, True)
+        return _placed_dense(scratch, stride, dense)
     buf = np.empty((1 + sparse_body + 7) // 8, np.uint8)
     head_bits, pend = _head(buf, 0, nnz + 1)
     starts = head_bits + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) if nch else lengths

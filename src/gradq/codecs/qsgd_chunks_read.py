@@ -17,9 +17,15 @@ import numpy as np
 
 from .elias import ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK, check_tail, raise_for_error
 from .qsgd_chunks import _COLS, CHUNK, index_len
-from .qsgd_fields import _CHUNK, _IWIN, _jit, _omega, _pjit, item_tables, prange, read_dense, read_sparse
+from .qsgd_fields import (_CHUNK, _IWIN, WIDE, _jit, _omega, _pjit, item_tables, prange, read_dense, read_sparse,
+                          wide_dense_table)
 
 __all__ = ["decode_fields"]
+
+
+#: fields above this (``s > 15``) read dense items through the 16-bit window
+_WIDE_FROM = 15
+_NO_TABLE = np.zeros(0, np.int32)
 
 
 @_jit
@@ -40,13 +46,13 @@ def _check_index(idx: np.ndarray, n: int, nch: int, sparse: bool, start: int, en
 
 
 @_jit
-def _upeek(pad: np.ndarray, p: int) -> np.uint64:
-    """:func:`gradq.codecs.qsgd_fields._peek` with unsigned indices (``p ≥ 0``: numba then adds no
-    wrap-around for negative ones)."""
+def _upeek(pad: np.ndarray, p: int, win: int) -> np.uint64:
+    """The ``win ≤ 17`` bits at bit ``p`` (:func:`gradq.codecs.qsgd_fields._peek`'s window, of any
+    width), with unsigned indices (``p ≥ 0``: numba then adds no wrap-around for negative ones)."""
     i = np.uint64(p) >> np.uint64(3)
     one = np.uint64(1)
     w = (np.uint64(pad[i]) << np.uint64(16)) | (np.uint64(pad[i + one]) << np.uint64(8)) | np.uint64(pad[i + one + one])
-    return (w >> np.uint64(24 - _IWIN - (p & 7))) & np.uint64((1 << _IWIN) - 1)
+    return (w >> np.uint64(24 - win - (p & 7))) & np.uint64((1 << win) - 1)
 
 
 @_jit
@@ -61,8 +67,8 @@ def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
     kb = 0
     low = -(1 << 62)   # (the first items were read already: no lower bound left to check)
     while ka < na and kb < nb:
-        xa = np.int64(tab[_upeek(pad, pa)])
-        xb = np.int64(tab[_upeek(pad, pb)])
+        xa = np.int64(tab[_upeek(pad, pa, _IWIN)])
+        xb = np.int64(tab[_upeek(pad, pb, _IWIN)])
         la = xa & 31
         lb = xb & 31
         ga = xa >> 13
@@ -92,14 +98,18 @@ def _sparse_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray,
 
 
 @_jit
-def _dense_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray, pa: int, ea: int, ha: int,
-                oa: np.ndarray, pb: int, eb: int, hb: int, ob: np.ndarray):
-    """:func:`_sparse_pair` for the dense layout (values ``0 … h − 1`` of each output)."""
+def _dense_pair(buf: np.ndarray, pad: np.ndarray, s: int, tab: np.ndarray, wide: np.ndarray, pa: int, ea: int,
+                ha: int, oa: np.ndarray, pb: int, eb: int, hb: int, ob: np.ndarray):
+    """:func:`_sparse_pair` for the dense layout (values ``0 … h − 1`` of each output). The look-ups
+    use ``wide`` (a :data:`gradq.codecs.qsgd_fields.WIDE`-bit window) when it is not empty, else
+    ``tab``; an item neither takes goes through :func:`read_dense` (which uses ``tab``)."""
+    win = WIDE if wide.size else _IWIN
+    fast = wide if wide.size else tab
     ia = 0
     ib = 0
     while ia < ha and ib < hb:
-        xa = np.int64(tab[_upeek(pad, pa)])
-        xb = np.int64(tab[_upeek(pad, pb)])
+        xa = np.int64(fast[_upeek(pad, pa, win)])
+        xb = np.int64(fast[_upeek(pad, pb, win)])
         la = xa & 31
         lb = xb & 31
         if la and pa + la <= ea:
@@ -159,7 +169,8 @@ def _row(idx: np.ndarray, c: int, nch: int, n: int, start: int, end: int, nnz: i
 
 
 @_jit
-def _read_pair(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, idx: np.ndarray, sparse: bool,
+def _read_pair(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, wide: np.ndarray, idx: np.ndarray,
+               sparse: bool,
                start: int, nnz: int, out: np.ndarray, values: np.ndarray, scales: np.ndarray, bucket: int, nch: int,
                ca: int, cb: int):
     """Chunks ``ca`` and ``cb`` (``cb == ca`` for an odd last chunk, read once) from their index rows:
@@ -188,7 +199,7 @@ def _read_pair(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray
         okb = errb == OK and (cb == nch - 1 or (pb == eb and qb == rb))
     else:
         if cb != ca:
-            erra, pa, errb, pb = _dense_pair(buf, pad, s, tab, pa, ea, hia - loa, da, pb, eb, hib - lob, db)
+            erra, pa, errb, pb = _dense_pair(buf, pad, s, tab, wide, pa, ea, hia - loa, da, pb, eb, hib - lob, db)
         else:
             erra, pa = read_dense(buf, pad, pa, ea, 0, hia - loa, s, tab, da)
             errb, pb = erra, pa
@@ -210,7 +221,8 @@ def _read_pair(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray
 
 
 @_pjit
-def _read_chunks(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, idx: np.ndarray, sparse: bool,
+def _read_chunks(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarray, wide: np.ndarray, idx: np.ndarray,
+                 sparse: bool,
                  start: int, nnz: int, out: np.ndarray, values: np.ndarray, scales: np.ndarray, bucket: int,
                  errs: np.ndarray, where: np.ndarray) -> None:
     """The chunks from their index rows, two per thread step (:func:`_read_pair`), into ``out[lo:hi]``
@@ -220,7 +232,7 @@ def _read_chunks(buf: np.ndarray, pad: np.ndarray, n: int, s: int, tab: np.ndarr
     for j in prange((nch + 1) // 2):
         ca = 2 * j
         cb = min(ca + 1, nch - 1)
-        erra, pa, errb, pb = _read_pair(buf, pad, n, s, tab, idx, sparse, start, nnz, out, values, scales, bucket,
+        erra, pa, errb, pb = _read_pair(buf, pad, n, s, tab, wide, idx, sparse, start, nnz, out, values, scales, bucket,
                                         nch, ca, cb)
         errs[ca] = erra
         where[ca] = pa
@@ -267,8 +279,10 @@ def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: Optiona
     else:
         out = np.empty(0, np.uint8)
         bucket = n if bucket is None else int(bucket)
-    _read_chunks(buf, pad, n, s, sparse_tab if sparse else dense_tab, idx, sparse, start, nnz, out, values, scales,
-                 bucket, errs, where)
+    # dense items of wide fields mostly pass 12 bits: a 16-bit window for them (its table lives in L2)
+    wide = wide_dense_table(s) if not sparse and s > _WIDE_FROM else _NO_TABLE
+    _read_chunks(buf, pad, n, s, sparse_tab if sparse else dense_tab, wide, idx, sparse, start, nnz, out, values,
+                 scales, bucket, errs, where)
     bad = np.flatnonzero(errs)
     if bad.size:
         c = int(bad[0])
