@@ -174,3 +174,27 @@ def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
         assert _sparse_floor(counts) <= exact, kind
         if kind == "dense" and s == 127:
             assert _sparse_floor(counts) > int(counts[0].sum())
+
+
+def test_the_kept_field_buffer_never_reaches_a_payload():
+    """The quantizer writes the fields into a buffer kept per thread (``field_buffer``) and streams
+    them: a payload must not change when the next encode reuses the buffer, and each thread has a
+    buffer of its own."""
+    import threading
+
+    import gradq
+    from gradq.codecs.qsgd_chunks import field_buffer
+
+    q = gradq.build("qsgd:bits=4,coding=elias")
+    x = torch.randn(CHUNK + 77, generator=torch.Generator().manual_seed(8))
+    p = q.encode(x, seed=1)
+    stream = p.fields["stream"].clone()
+    want = q.decode(p)
+    q.encode(-x, seed=2)                      # overwrites the kept fields
+    assert torch.equal(p.fields["stream"], stream) and torch.equal(q.decode(p), want)
+    assert field_buffer(5).data_ptr() == field_buffer(9).data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(field_buffer(5).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != field_buffer(5).data_ptr()

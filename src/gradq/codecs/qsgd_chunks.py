@@ -463,6 +463,19 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf
 
 
+def field_buffer(n: int):
+    """This thread's buffer of ``n`` uint8 fields (a CPU tensor), kept between calls like the
+    scratch area: the fields the quantizer hands to :func:`encode_fields` live only for one encode,
+    and writing them into pages already mapped saves faulting 1 byte a value in each call. The
+    tensor is overwritten by the next call on this thread: copy what must outlive it."""
+    import torch
+
+    buf = getattr(_LOCAL, "fields", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.fields = torch.empty(n, dtype=torch.uint8)
+    return buf[:n]
+
+
 def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
     """The stream (uint8) and its chunk index (int64) of the uint8 fields ``f`` (``c + s``).
 

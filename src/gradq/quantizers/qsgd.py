@@ -169,13 +169,16 @@ class QSGD(Quantizer):
         if self.coding != "ans" and self.s <= 127:
             # the codes as uint8 fields c + s from the fixed-width kernels (the same randomness),
             # streamed without widening them: no input-sized temporaries
+            from ..codecs.qsgd_chunks import field_buffer
             from ..codecs.qsgd_stream import encode_fields_stream  # numba-compiled; loaded on first use
 
+            # on the CPU the fields go to this thread's buffer: they live only until they are streamed
+            out = field_buffer(v.numel()) if v.device.type == "cpu" else None
             if self.norm == "max":  # norm and codes fused per bucket, as the fixed coding
-                fields, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, 8, ctx.rng)
+                fields, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, 8, ctx.rng, out=out)
             else:
                 scales = kernels.l2_scales(v, self.bucket)
-                fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng)
+                fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng, out=out)
             if fields.device.type == "cpu":
                 stream, index = encode_fields_stream(fields, self.s, _LAYOUT[self.coding], index=True)
             else:  # built on the device by tensor operations (the same bytes): the codes stay there
