@@ -121,84 +121,30 @@ def _first_nonzero(f: np.ndarray, e0: int, e1: int, s: int) -> int:
 
 
 @_inline
-def _one_item(scratch: np.ndarray, o, acc: int, nacc: int, g: int, v, nz: bool, sc: np.ndarray, sl: np.ndarray,
-              table: np.ndarray, sh):
-    """Append the sparse item of field ``v`` after a gap of ``g`` (nothing for a zero) to the pending
-    bits: from ``table`` unless a nonzero follows a gap of 16 or more (then the gap from its pieces,
-    flushing whole words at word ``o``). Returns ``(o, acc, nacc)``."""
-    if g >= _NEAR and nz:
-        ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
-        return np.uint64(ob >> 2), (acc << sl[v]) | sc[v], nacc + sl[v]
-    e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
-    ln = e & 31
-    return o, (acc << ln) | (e >> 5), nacc + ln
-
-
-@_inline
-def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, table: np.ndarray,
-                  shift: int, scratch: np.ndarray, o0: int, eager: bool):
+def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
+                  table: np.ndarray, shift: int, pairs: np.ndarray, scratch: np.ndarray, o0: int, paired: bool,
+                  eager: bool):
     """One chunk's sparse items into ``scratch`` from byte ``o0`` (a multiple of 4), the first one
-    without its gap: ``(bits, first nonzero, last nonzero, nonzeros)``. Every field must be ``≤ 2s``.
+    without its gap: ``(bits, first nonzero, last nonzero, nonzeros, dense bits)``; the dense layout's
+    bits are counted only when ``paired`` (0 otherwise). Every field must be ``≤ 2s``.
 
-    Every value goes through the same steps, zeros included (they add 0 bits from ``table``, see
-    :func:`item_code_table`), so that nothing branches on whether a value is zero, which is
-    unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a branch (to write the
-    gap from its pieces, :func:`_one_item`). With ``eager`` (most values nonzero) neither is there a
-    branch on whether a word is complete: the word that would be flushed is stored every time
-    (big-endian), and the writer moves on by ``pending >> 5`` words (a store that is not kept is
-    overwritten by the next one). Indices are unsigned (numba adds no wrap-around for them)."""
+    * With ``paired`` (fields of at most 4 bits), two values take one look-up in ``pairs``
+      (:func:`pair_code_table`) while the gap is short; after a run of zeros, a value at a time.
+    * A value at a time, every value goes through the same steps, zeros included (they add 0 bits
+      from ``table``, see :func:`item_code_table`), so that nothing branches on whether a value is
+      zero, which is unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a
+      branch (to write the gap from its pieces).
+    * With ``eager`` (most values nonzero) neither is there a branch on whether a word is complete:
+      the word that would be flushed is stored every time (big-endian), and the writer moves on by
+      ``pending >> 5`` words (a store that is not kept is overwritten by the next one).
+
+    Indices and fields are unsigned (numba adds no wrap-around for unsigned indices, and compares a
+    uint64 with an int64 in floating point)."""
     fst = _first_nonzero(f, e0, e1, s)
     if fst == e1:
-        return 0, -1, -1, 0
+        return 0, -1, -1, 0, (e1 - e0) * dl[s] if paired else 0
     words = scratch.view(np.uint32)
-    v = np.uint64(f[fst])
-    acc = sc[v]
-    nacc = sl[v]
-    o = np.uint64(o0 >> 2)
-    last = fst
-    z = 1
-    sh = np.uint64(shift)
-    for i in range(fst + 1, e1):
-        v = np.uint64(f[np.uint64(i)])
-        nz = v != s
-        o, acc, nacc = _one_item(scratch, o, acc, nacc, i - last, v, nz, sc, sl, table, sh)
-        last = i if nz else last
-        z += nz
-        if eager:
-            words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
-            o += np.uint64(nacc >> 5)
-            nacc &= 31
-        elif nacc >= 32:
-            nacc -= 32
-            words[o] = _bswap32((acc >> nacc) & 0xFFFFFFFF)
-            o += np.uint64(1)
-    ob = np.int64(o) * 4
-    flush(scratch, ob, acc, nacc)
-    return (ob - o0) * 8 + nacc, fst, last, z
-
-
-# :func:`_sparse_chunk` compiled twice, its flag a constant in each (a flag read in the loop cost up
-# to a third of its speed)
-@_jit
-def _sparse_eager(f, e0, e1, s, sc, sl, table, shift, scratch, o0):
-    return _sparse_chunk(f, e0, e1, s, sc, sl, table, shift, scratch, o0, True)
-
-
-@_jit
-def _sparse_lazy(f, e0, e1, s, sc, sl, table, shift, scratch, o0):
-    return _sparse_chunk(f, e0, e1, s, sc, sl, table, shift, scratch, o0, False)
-
-
-@_jit
-def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
-                  table: np.ndarray, shift: int, pairs: np.ndarray, scratch: np.ndarray, o0: int):
-    """:func:`_sparse_chunk` (eager) two values at a time while the gap is short (:func:`pair_code_table`:
-    fields of at most 4 bits), a value at a time, as there, after a run of zeros; it also counts the
-    dense layout's bits: ``(bits, first nonzero, last nonzero, nonzeros, dense bits)``."""
-    fst = _first_nonzero(f, e0, e1, s)
-    if fst == e1:
-        return 0, -1, -1, 0, (e1 - e0) * dl[s]
-    words = scratch.view(np.uint32)
+    su = np.uint64(s)
     v = np.uint64(f[fst])
     d = (fst - e0) * dl[s] + dl[v]
     acc = sc[v]
@@ -211,7 +157,7 @@ def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
     i = fst + 1
     while i < e1:
         g = i - last
-        if g < _PAIR_GAPS and i + 1 < e1:
+        if paired and g < _PAIR_GAPS and i + 1 < e1:
             v = np.uint64(f[np.uint64(i)])
             v2 = np.uint64(f[np.uint64(i + 1)])
             e = np.int64(np.uint32(pairs[(np.uint64(g) << sh2) | (v << sh) | v2]))
@@ -219,25 +165,57 @@ def _sparse_pairs(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
             acc = (acc << ln) | ((e >> 5) & 0x3FFFFF)
             nacc += ln
             d += e >> 27
-            nz = v != s
-            nz2 = v2 != s
+            nz = v != su
+            nz2 = v2 != su
             last = i + 1 if nz2 else (i if nz else last)
             z += nz + nz2
             i += 2
         else:
             v = np.uint64(f[np.uint64(i)])
-            nz = v != s
-            o, acc, nacc = _one_item(scratch, o, acc, nacc, g, v, nz, sc, sl, table, sh)
+            nz = v != su
+            if g >= _NEAR and nz:   # a long gap: its pieces, then the item
+                ob, acc, nacc = _put_pieces(scratch, np.int64(o) * 4, acc, nacc, omega_pieces(g))
+                o = np.uint64(ob >> 2)
+                acc = (acc << sl[v]) | sc[v]
+                nacc += sl[v]
+            else:
+                e = np.int64(table[(np.uint64(g if g < _NEAR else _NEAR - 1) << sh) | v])
+                ln = e & 31
+                acc = (acc << ln) | (e >> 5)
+                nacc += ln
             last = i if nz else last
             z += nz
-            d += dl[v]
+            if paired:
+                d += dl[v]
             i += 1
-        words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
-        o += np.uint64(nacc >> 5)
-        nacc &= 31
+        if eager:
+            words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
+            o += np.uint64(nacc >> 5)
+            nacc &= 31
+        elif nacc >= 32:
+            nacc -= 32
+            words[o] = _bswap32((acc >> nacc) & 0xFFFFFFFF)
+            o += np.uint64(1)
     ob = np.int64(o) * 4
     flush(scratch, ob, acc, nacc)
-    return (ob - o0) * 8 + nacc, fst, last, z, d
+    return (ob - o0) * 8 + nacc, fst, last, z, d if paired else 0
+
+
+# :func:`_sparse_chunk` compiled three times, its flags constants in each (a flag read in the loop
+# cost up to a third of its speed)
+@_jit
+def _sparse_pairs(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, True, True)
+
+
+@_jit
+def _sparse_eager(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, False, True)
+
+
+@_jit
+def _sparse_lazy(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, False, False)
 
 
 @_inline
@@ -256,11 +234,12 @@ def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray, dc: np
     z = 0
     r = 0
     b = 0
-    top = 2 * s
+    top = np.uint64(2 * s)
+    su = np.uint64(s)
     prev = np.int64(f[e0 - 1]) != s if e0 else True
     for i in range(e0, e1):
         v = np.uint64(f[np.uint64(i)])
-        nz = v != s
+        nz = v != su
         t = pk[v]
         acc += t
         z += nz
@@ -295,15 +274,12 @@ def _chunk_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.
     for c in prange(nch):
         e0 = c * _CHUNK
         e1 = min(n, e0 + _CHUNK)
+        args = (f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, c * stride)
         if pairs.size:
-            sparse[c], first[c], last[c], count[c], dense[c] = _sparse_pairs(f, e0, e1, s, sc, sl, dl, table, shift,
-                                                                             pairs, scratch, c * stride)
-        elif eager:
-            sparse[c], first[c], last[c], count[c] = _sparse_eager(f, e0, e1, s, sc, sl, table, shift, scratch,
-                                                                   c * stride)
+            r = _sparse_pairs(*args)
         else:
-            sparse[c], first[c], last[c], count[c] = _sparse_lazy(f, e0, e1, s, sc, sl, table, shift, scratch,
-                                                                  c * stride)
+            r = _sparse_eager(*args) if eager else _sparse_lazy(*args)
+        sparse[c], first[c], last[c], count[c], dense[c] = r
     return sparse, first, last, count, dense
 
 
