@@ -164,12 +164,11 @@ def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
         gaps = np.diff(np.concatenate(([-1], pos)))
         exact = omega_len(pos.size + 1) + int(sl[f[pos]].sum()) + sum(omega_len(int(g)) for g in gaps)
         scratch = np.zeros(-(-N // CHUNK) * (2 * CHUNK + 16), np.uint8)
-        counts = _dense_counts(f, s, _packed_bits(sl, dl), dc, scratch, 2 * CHUNK + 16, False)
+        counts = _dense_counts(f, s, _packed_bits(sl, dl), dc, scratch, 2 * CHUNK + 16)
         assert int(counts[0].sum()) == int(dl[f].sum())
         table, shift = item_code_table(s)
         if shift <= 4:   # the pair writer counts the dense bits while it writes the sparse items
-            tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pair_code_table(s), scratch, 2 * CHUNK + 16,
-                                  True)[4]
+            tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pair_code_table(s), scratch, 2 * CHUNK + 16)[4]
             assert int(tally.sum()) == int(dl[f].sum()), kind
         assert _sparse_floor(counts) <= exact, kind
         if kind == "dense" and s == 127:

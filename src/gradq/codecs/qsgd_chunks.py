@@ -11,16 +11,15 @@ the first, so nothing for up to :data:`CHUNK` values). For chunk ``c ≥ 1`` (va
 * the number of items before the chunk (nonzeros for the sparse layout, ``c·CHUNK`` for the dense);
 * the 1-based position of the last item before the chunk (0 when there is none; ``c·CHUNK`` dense).
 
-**Writing** (``encode_fields``). Each chunk writes its sparse items into a scratch area of its own,
-without the first item's gap (which depends on the chunks before). Once every chunk's length is
-known, the chunks are copied into the stream at their bit offsets, the first gap put in front of
-each, again in parallel; the bytes that two chunks share are OR-ed together afterwards. Fields of up
-to 4 bits are written two at a time from one table (:func:`pair_code_table`), which also gives the
-dense layout's bits. The layout is chosen on exact lengths; the dense one, when it is shorter, is
-written by a parallel pass straight into the stream (its lengths were counted). For wider fields
-the dense bits are counted first, with a lower bound of the sparse bits that usually settles a
-dense win before any sparse item is written. The scratch is reserved at 2 bytes a value but only
-the written part is touched.
+**Writing** (``encode_fields``). Each chunk writes its items into a scratch area of its own, the
+sparse ones without the first item's gap (which depends on the chunks before). Once every chunk's
+length is known, the chunks are copied into the stream at their bit offsets, the first gap put in
+front of each, again in parallel; the bytes that two chunks share are OR-ed together afterwards.
+Fields of up to 4 bits are written two at a time from one table (:func:`pair_code_table`), which
+also gives the dense layout's bits. For wider fields the dense codes are written first, with a
+lower bound of the sparse bits that usually settles a dense win before any sparse item is written.
+The layout is chosen on exact lengths. The scratch is reserved at 2 bytes a value but only the
+written part is touched.
 
 **Reading** is :mod:`gradq.codecs.qsgd_chunks_read`.
 """
@@ -122,8 +121,7 @@ def _first_nonzero(f: np.ndarray, e0: int, e1: int, s: int) -> int:
 
 @_inline
 def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray,
-                  table: np.ndarray, shift: int, pairs: np.ndarray, scratch: np.ndarray, o0: int, paired: bool,
-                  eager: bool):
+                  table: np.ndarray, shift: int, pairs: np.ndarray, scratch: np.ndarray, o0: int, paired: bool):
     """One chunk's sparse items into ``scratch`` from byte ``o0`` (a multiple of 4), the first one
     without its gap: ``(bits, first nonzero, last nonzero, nonzeros, dense bits)``; the dense layout's
     bits are counted only when ``paired`` (0 otherwise). Every field must be ``≤ 2s``.
@@ -134,9 +132,9 @@ def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
       from ``table``, see :func:`item_code_table`), so that nothing branches on whether a value is
       zero, which is unpredictable in QSGD codes; only a nonzero after a gap of 16 or more takes a
       branch (to write the gap from its pieces).
-    * With ``eager`` (most values nonzero) neither is there a branch on whether a word is complete:
-      the word that would be flushed is stored every time (big-endian), and the writer moves on by
-      ``pending >> 5`` words (a store that is not kept is overwritten by the next one).
+    * Nor is there a branch on whether a word is complete: the word that would be flushed is stored
+      every time (big-endian), and the writer moves on by ``pending >> 5`` words (a store that is not
+      kept is overwritten by the next one).
 
     Indices and fields are unsigned (numba adds no wrap-around for unsigned indices, and compares a
     uint64 with an int64 in floating point)."""
@@ -188,44 +186,34 @@ def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
             if paired:
                 d += dl[v]
             i += 1
-        if eager:
-            words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
-            o += np.uint64(nacc >> 5)
-            nacc &= 31
-        elif nacc >= 32:
-            nacc -= 32
-            words[o] = _bswap32((acc >> nacc) & 0xFFFFFFFF)
-            o += np.uint64(1)
+        words[o] = _bswap32((acc >> (nacc & 31)) & 0xFFFFFFFF)
+        o += np.uint64(nacc >> 5)
+        nacc &= 31
     ob = np.int64(o) * 4
     flush(scratch, ob, acc, nacc)
     return (ob - o0) * 8 + nacc, fst, last, z, d if paired else 0
 
 
-# :func:`_sparse_chunk` compiled three times, its flags constants in each (a flag read in the loop
-# cost up to a third of its speed)
+# :func:`_sparse_chunk` compiled twice, its flag a constant in each (a flag read in the loop cost up
+# to a third of its speed)
 @_jit
 def _sparse_pairs(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
-    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, True, True)
+    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, True)
 
 
 @_jit
-def _sparse_eager(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
-    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, False, True)
+def _sparse_single(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
+    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, False)
 
 
 @_jit
-def _sparse_lazy(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0):
-    return _sparse_chunk(f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, o0, False, False)
-
-
-@_inline
 def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray,
-                 o0: int, write: bool):
-    """``(dense bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)`` of
-    ``f[e0:e1]`` (at ``e0 = 0`` the first value has a gap of 1, as after a nonzero); ``pk[v]`` packs
-    the dense bits and (from bit 24) the sparse sign and magnitude bits of field ``v``. With
-    ``write``, the dense codes also go to ``scratch`` from byte ``o0`` (a multiple of 4), a word
-    stored for every value as :func:`_sparse_chunk` does (fields above ``2s`` write nothing)."""
+                 o0: int):
+    """The dense codes of ``f[e0:e1]`` into ``scratch`` from byte ``o0`` (a multiple of 4), a word
+    stored for every value as :func:`_sparse_chunk` does (fields above ``2s`` write nothing), and
+    ``(dense bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)`` (at
+    ``e0 = 0`` the first value has a gap of 1, as after a nonzero); ``pk[v]`` packs the dense bits
+    and (from bit 24) the sparse sign and magnitude bits of field ``v``."""
     words = scratch.view(np.uint32)
     o = np.uint64(o0 >> 2)
     w = 0
@@ -246,20 +234,18 @@ def _dense_chunk(f: np.ndarray, e0: int, e1: int, s: int, pk: np.ndarray, dc: np
         r += nz and not prev
         prev = nz
         b += v > top
-        if write:
-            w = (w << (t & 0xFFFFFF)) | dc[v]
-            nacc += t & 0xFFFFFF
-            words[o] = _bswap32((w >> (nacc & 31)) & 0xFFFFFFFF)
-            o += np.uint64(nacc >> 5)
-            nacc &= 31
-    if write:
-        flush(scratch, np.int64(o) * 4, w, nacc)
+        w = (w << (t & 0xFFFFFF)) | dc[v]
+        nacc += t & 0xFFFFFF
+        words[o] = _bswap32((w >> (nacc & 31)) & 0xFFFFFFFF)
+        o += np.uint64(nacc >> 5)
+        nacc &= 31
+    flush(scratch, np.int64(o) * 4, w, nacc)
     return acc & 0xFFFFFF, acc >> 24, z, r, b
 
 
 @_pjit
 def _chunk_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.ndarray, table: np.ndarray,
-                  shift: int, pairs: np.ndarray, scratch: np.ndarray, stride: int, eager: bool):
+                  shift: int, pairs: np.ndarray, scratch: np.ndarray, stride: int):
     """Per chunk, into ``scratch[c·stride:]``: its sparse items without the first one's gap
     (:func:`_sparse_pairs` when ``pairs`` is not empty, else :func:`_sparse_chunk`). Returns per chunk
     ``(sparse bits, first nonzero, last nonzero, nonzeros, dense bits)``; the dense bits are counted
@@ -275,11 +261,7 @@ def _chunk_bodies(f: np.ndarray, s: int, sc: np.ndarray, sl: np.ndarray, dl: np.
         e0 = c * _CHUNK
         e1 = min(n, e0 + _CHUNK)
         args = (f, e0, e1, s, sc, sl, dl, table, shift, pairs, scratch, c * stride)
-        if pairs.size:
-            r = _sparse_pairs(*args)
-        else:
-            r = _sparse_eager(*args) if eager else _sparse_lazy(*args)
-        sparse[c], first[c], last[c], count[c], dense[c] = r
+        sparse[c], first[c], last[c], count[c], dense[c] = _sparse_pairs(*args) if pairs.size else _sparse_single(*args)
     return sparse, first, last, count, dense
 
 
@@ -289,33 +271,17 @@ def _packed_bits(sl: np.ndarray, dl: np.ndarray) -> np.ndarray:
 
 
 @_pjit
-def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray, stride: int,
-                  write: bool):
-    """Per chunk (:func:`_dense_chunk`): ``(dense bits, sparse bits without gaps, nonzeros, nonzeros
-    after a zero, fields above 2s)``; with ``write``, the dense codes into ``scratch[c·stride:]``."""
+def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray, stride: int):
+    """Per chunk, its dense codes into ``scratch[c·stride:]`` and (:func:`_dense_chunk`) ``(dense
+    bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)``."""
     n = f.shape[0]
     nch = (n + _CHUNK - 1) // _CHUNK
     out = np.zeros((5, nch), np.int64)
     for c in prange(nch):
         e0 = c * _CHUNK
-        e1 = min(n, e0 + _CHUNK)
-        if write:
-            r = _dense_words(f, e0, e1, s, pk, dc, scratch, c * stride)
-        else:
-            r = _dense_tally(f, e0, e1, s, pk, dc, scratch, c * stride)
-        out[0, c], out[1, c], out[2, c], out[3, c], out[4, c] = r
+        out[0, c], out[1, c], out[2, c], out[3, c], out[4, c] = _dense_chunk(f, e0, min(n, e0 + _CHUNK), s, pk, dc,
+                                                                             scratch, c * stride)
     return out
-
-
-# :func:`_dense_chunk` compiled twice, its flag a constant in each
-@_jit
-def _dense_words(f, e0, e1, s, pk, dc, scratch, o0):
-    return _dense_chunk(f, e0, e1, s, pk, dc, scratch, o0, True)
-
-
-@_jit
-def _dense_tally(f, e0, e1, s, pk, dc, scratch, o0):
-    return _dense_chunk(f, e0, e1, s, pk, dc, scratch, o0, False)
 
 
 def _sparse_floor(counts: np.ndarray) -> int:
@@ -459,8 +425,8 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     decide. With fields of up to 4 bits the pair writer counts the dense bits while it writes the
     sparse items (QSGD at 2 to 4 bits is usually shorter sparse). With wider ones the dense codes are
     written first, counting a lower bound of the sparse bits on the way (:func:`_sparse_floor`),
-    which usually settles a dense win without writing the sparse items (QSGD at 8 bits). The losing
-    layout is written only when that bound, or the first chunk, predicted wrong."""
+    which usually settles a dense win without writing the sparse items (QSGD at 8 bits). The other
+    layout is written only when the one written first turns out the longer."""
     sc, sl, dc, dl = field_tables(s)
     pk = _packed_bits(sl, dl)
     n = f.shape[0]
@@ -471,16 +437,14 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     scratch = _scratch(nch * stride)   # or a dense one (omega(|c| + 1) and a sign: at most 15)
     dense = None
     if layout == "dense" or (layout == "auto" and not pairs.size):
-        counts = _dense_counts(f, s, pk, dc, scratch, stride, True)
+        counts = _dense_counts(f, s, pk, dc, scratch, stride)
         _check_bad(int(counts[4].sum()), s)
         dense = counts[0]
         if layout == "dense" or _sparse_floor(counts) > dense.sum():
             return _placed_dense(scratch, stride, dense)
     elif n and int(f.max()) > 2 * s:
-        _check_bad(int(_dense_counts(f, s, pk, dc, scratch, stride, False)[4].sum()), s)
-    m = min(n, CHUNK)   # (without pairs: the first chunk says whether most values are nonzero)
-    eager = not pairs.size and 2 * int(np.count_nonzero(f[:m] != s)) > m
-    nbits, first, last, count, tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pairs, scratch, stride, eager)
+        _check_bad(int(_dense_counts(f, s, pk, dc, scratch, stride)[4].sum()), s)
+    nbits, first, last, count, tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pairs, scratch, stride)
     if layout == "auto" and pairs.size:
         dense = tally
     nnz = int(count.sum())
@@ -493,7 +457,7 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     lengths = gbits + nbits
     sparse_body = omega_len(nnz + 1) + int(lengths.sum())
     if dense is not None and sparse_body > int(dense.sum()):   # (the sparse items took the scratch)
-        _dense_counts(f, s, pk, dc, scratch, stride, True)
+        _dense_counts(f, s, pk, dc, scratch, stride)
         return _placed_dense(scratch, stride, dense)
     buf = np.empty((1 + sparse_body + 7) // 8, np.uint8)
     head_bits, pend = _head(buf, 0, nnz + 1)
