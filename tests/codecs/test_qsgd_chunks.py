@@ -152,7 +152,7 @@ def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
     dense case (so that the test above covers that path too). Fields of up to 4 bits have their
     dense bits counted by the sparse pair writer instead: that count must be exact."""
     from gradq.codecs.elias import omega_len
-    from gradq.codecs.qsgd_chunks import (_chunk_bodies, _dense_counts, _packed_bits, _sparse_floor, item_code_table,
+    from gradq.codecs.qsgd_chunks import (_chunk_bodies, _dense_bodies, _packed_bits, _sparse_floor, item_code_table,
                                           pair_code_table)
     from gradq.codecs.qsgd_fields import field_tables
 
@@ -164,7 +164,7 @@ def test_the_sparse_floor_never_exceeds_the_sparse_length(s):
         gaps = np.diff(np.concatenate(([-1], pos)))
         exact = omega_len(pos.size + 1) + int(sl[f[pos]].sum()) + sum(omega_len(int(g)) for g in gaps)
         scratch = np.zeros(-(-N // CHUNK) * (2 * CHUNK + 16), np.uint8)
-        counts = _dense_counts(f, s, _packed_bits(sl, dl), dc, scratch, 2 * CHUNK + 16)
+        counts = _dense_bodies(f, s, _packed_bits(sl, dl), dc, scratch, 2 * CHUNK + 16)
         assert int(counts[0].sum()) == int(dl[f].sum())
         table, shift = item_code_table(s)
         if shift <= 4:   # the pair writer counts the dense bits while it writes the sparse items

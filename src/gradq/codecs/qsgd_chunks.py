@@ -58,15 +58,21 @@ def item_code_table(s: int) -> tuple[np.ndarray, int]:
     the sign, omega(|c|)) as ``code << 5 | length``, right-aligned; 0 (no bits) for the zero field
     ``s`` and for gap 0. int32, so that the table stays in the L1 cache (1 KiB for 4 bits, 16 KiB
     for 8)."""
-    sc, sl, _, _ = field_tables(s)
     shift = (2 * s).bit_length()
     table = np.zeros(_NEAR << shift, np.int32)
     for g in range(1, _NEAR):
         for v in range(2 * s + 1):
             if v != s:
-                code = (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v])
-                table[g << shift | v] = (code << 5) | (int(_OMEGA_LEN[g]) + int(sl[v]))
+                code, ln = _item_bits(s, g, v)
+                table[g << shift | v] = (code << 5) | ln
     return table, shift
+
+
+def _item_bits(s: int, g: int, v: int) -> tuple[int, int]:
+    """``(code, length)`` of the sparse item of the nonzero field ``v`` after a gap of ``g``: the
+    gap's omega code, the sign, omega(|c|)."""
+    sc, sl, _, _ = field_tables(s)
+    return (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v]), int(_OMEGA_LEN[g]) + int(sl[v])
 
 
 #: the pair writer's gaps: below this (and a field row of at most ``1 << _PAIR_SHIFT``), two values take
@@ -83,23 +89,20 @@ def pair_code_table(s: int) -> np.ndarray:
     (the first one's gap is ``gap``, the second's 1 after a nonzero, ``gap + 1`` after a zero) as
     ``dense << 27 | code << 5 | length``: at most 22 bits of code, and the two values' bits in the
     dense layout (at most 16) on top (15 KiB for 4 bits)."""
-    sc, sl, _, dl = field_tables(s)
+    dl = field_tables(s)[3]
     shift = (2 * s).bit_length()
+    if shift > _PAIR_SHIFT:
+        raise ValueError(f"pair tables are for fields of up to {_PAIR_SHIFT} bits, got s={s}")
     table = np.zeros(_PAIR_GAPS << (2 * shift), np.int32)
-
-    def item(g, v):
-        return (int(_OMEGA_CODE[g]) << int(sl[v])) | int(sc[v]), int(_OMEGA_LEN[g]) + int(sl[v])
-
     for g in range(1, _PAIR_GAPS):
         for a in range(2 * s + 1):
             for b in range(2 * s + 1):
-                code, ln = 0, 0
-                if a != s:
-                    code, ln = item(g, a)
+                code, ln = _item_bits(s, g, a) if a != s else (0, 0)
                 if b != s:
-                    c2, l2 = item(1 if a != s else g + 1, b)
+                    c2, l2 = _item_bits(s, 1 if a != s else g + 1, b)
                     code, ln = (code << l2) | c2, ln + l2
                 dense = int(dl[a]) + int(dl[b])
+                assert ln <= 22 and dense < 32   # (the entry's fields: 5, 22 and 5 bits)
                 table[g << (2 * shift) | a << shift | b] = np.int32(np.uint32((dense << 27) | (code << 5) | ln))
     return table
 
@@ -136,8 +139,8 @@ def _sparse_chunk(f: np.ndarray, e0: int, e1: int, s: int, sc: np.ndarray, sl: n
       every time (big-endian), and the writer moves on by ``pending >> 5`` words (a store that is not
       kept is overwritten by the next one).
 
-    Indices and fields are unsigned (numba adds no wrap-around for unsigned indices, and compares a
-    uint64 with an int64 in floating point)."""
+    Indices and fields are unsigned: numba adds no wrap-around to unsigned indices, and it would
+    compare a uint64 field with the int64 zero field in floating point."""
     fst = _first_nonzero(f, e0, e1, s)
     if fst == e1:
         return 0, -1, -1, 0, (e1 - e0) * dl[s] if paired else 0
@@ -271,7 +274,7 @@ def _packed_bits(sl: np.ndarray, dl: np.ndarray) -> np.ndarray:
 
 
 @_pjit
-def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray, stride: int):
+def _dense_bodies(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch: np.ndarray, stride: int):
     """Per chunk, its dense codes into ``scratch[c·stride:]`` and (:func:`_dense_chunk`) ``(dense
     bits, sparse bits without gaps, nonzeros, nonzeros after a zero, fields above 2s)``."""
     n = f.shape[0]
@@ -285,7 +288,7 @@ def _dense_counts(f: np.ndarray, s: int, pk: np.ndarray, dc: np.ndarray, scratch
 
 
 def _sparse_floor(counts: np.ndarray) -> int:
-    """A lower bound of the sparse layout's bits (without the flag) from :func:`_dense_counts`: every
+    """A lower bound of the sparse layout's bits (without the flag) from :func:`_dense_bodies`: every
     gap takes at least 1 bit, and one after a zero (a gap of 2 or more) at least 3."""
     nnz = int(counts[2].sum())
     return omega_len(nnz + 1) + int(counts[1].sum()) + nnz + 2 * int(counts[3].sum())
@@ -378,7 +381,7 @@ def _join(buf: np.ndarray, head_bits: int, pend: int, starts: np.ndarray, length
 
 def _placed_dense(scratch: np.ndarray, stride: int, dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The dense stream and its index from the chunks' dense codes in ``scratch`` (``dense[c]`` bits
-    from ``scratch[c·stride:]``, :func:`_dense_counts`), placed after the flag bit."""
+    from ``scratch[c·stride:]``, :func:`_dense_bodies`), placed after the flag bit."""
     nch = dense.shape[0]
     starts = 1 + np.concatenate(([0], np.cumsum(dense)[:-1])).astype(np.int64) if nch else dense
     buf = np.empty((1 + int(dense.sum()) + 7) // 8, np.uint8)
@@ -437,13 +440,13 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     scratch = _scratch(nch * stride)   # or a dense one (omega(|c| + 1) and a sign: at most 15)
     dense = None
     if layout == "dense" or (layout == "auto" and not pairs.size):
-        counts = _dense_counts(f, s, pk, dc, scratch, stride)
+        counts = _dense_bodies(f, s, pk, dc, scratch, stride)
         _check_bad(int(counts[4].sum()), s)
         dense = counts[0]
         if layout == "dense" or _sparse_floor(counts) > dense.sum():
             return _placed_dense(scratch, stride, dense)
     elif n and int(f.max()) > 2 * s:
-        _check_bad(int(_dense_counts(f, s, pk, dc, scratch, stride)[4].sum()), s)
+        _check_bad(int(_dense_bodies(f, s, pk, dc, scratch, stride)[4].sum()), s)
     nbits, first, last, count, tally = _chunk_bodies(f, s, sc, sl, dl, table, shift, pairs, scratch, stride)
     if layout == "auto" and pairs.size:
         dense = tally
@@ -457,7 +460,7 @@ def encode_fields(f: np.ndarray, s: int, layout: str) -> tuple[np.ndarray, np.nd
     lengths = gbits + nbits
     sparse_body = omega_len(nnz + 1) + int(lengths.sum())
     if dense is not None and sparse_body > int(dense.sum()):   # (the sparse items took the scratch)
-        _dense_counts(f, s, pk, dc, scratch, stride)
+        _dense_bodies(f, s, pk, dc, scratch, stride)
         return _placed_dense(scratch, stride, dense)
     buf = np.empty((1 + sparse_body + 7) // 8, np.uint8)
     head_bits, pend = _head(buf, 0, nnz + 1)
