@@ -66,7 +66,14 @@ SCRIPT = textwrap.dedent('''
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C), dict(L=2, W=2, IW=1, G=128), True),
     ]
     for name, sig, consts, divides in cases:
-        k = triton.compile(ASTSource(fn=getattr(T, name), signature=sig, constexprs=consts), target=target,
+        fn = getattr(T, name)
+        # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
+        # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
+        ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
+        assert {a for a, t in sig.items() if a in T.VALUE_ARGS and t != C} <= set(fn.do_not_specialize), name
+        triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(ones, C)}, constexprs={**consts, **ones}),
+                       target=target, options={"enable_fp_fusion": False})
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                            options={"enable_fp_fusion": False})
         ptx = k.asm["ptx"]
         assert not re.search(r"\\bfma\\.[a-z.]*f32", ptx), name + ": an FMA would round once where the reference rounds twice"

@@ -31,6 +31,7 @@ count per call, and TernGrad's clip bound is a host float.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Optional, Sequence
@@ -58,7 +59,17 @@ from ..errors import PayloadError  # noqa: E402
 from . import reference  # noqa: E402
 from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _width  # noqa: E402
 
-_jit = triton.jit
+#: Integer arguments that are values rather than sizes. Triton compiles a kernel of its own when an
+#: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
+#: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
+#: the per-step seeds change, so they are never specialized.
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L")
+
+
+def _jit(fn):
+    names = [n for n, p in inspect.signature(fn).parameters.items()
+             if n in VALUE_ARGS and "constexpr" not in str(p.annotation)]
+    return triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
 
 _GROUPS = 128          # groups of 8 fields (or 5 trits) per program
 _FUSED_MAX = 4096      # largest power-of-two bucket the one-pass QSGD encode handles
