@@ -3,14 +3,12 @@
 They reproduce, bit for bit, :func:`gradq.kernels.reference.orq_levels` / ``linear_levels`` (the
 plain-torch references, one bucket per row) followed by ``round_to_levels`` and ``pack_bits``:
 
-* **Sorting.** The reference sorts each bucket with ``torch.sort``: libstdc++'s ``std::sort``, an
-  unstable introsort. Float32 values that compare equal are bitwise equal except ``+0.0``/``−0.0``,
-  so any correct sort gives the reference's row unless the bucket holds zeros of both signs. Such a
-  bucket goes to :func:`_introsort`, a step-for-step replica of ``std::sort`` (median of three at
-  ``first+1, mid, last−1``, unguarded partition, heapsort below depth ``2·⌊log2 n⌋``, insertion
-  sort with threshold 16) that leaves the zeros where torch leaves them. Other rows of up to 2048
-  values use a bitonic network on 16-lane vectors (LLVM IR, padded with ``+inf``), longer ones an
-  LSD radix sort on order-preserving integer keys.
+* **Sorting.** The reference sorts each bucket in the order of its order-preserving integer keys
+  (:func:`gradq.kernels.reference.sort_rows`: ``−0.0`` before ``+0.0``). Float32 values that compare
+  equal are bitwise equal except the two zeros, so any correct sort gives the reference's row unless
+  the bucket holds zeros of both signs. Rows of up to 2048 values with one sign of zero use a bitonic
+  network on 16-lane vectors (LLVM IR, padded with ``+inf``); longer rows and rows with both zeros
+  an LSD radix sort on those integer keys.
 * **ORQ rounds**, the reference's float64 operations in its order: segment ``j`` holds the sorted
   values ``g`` with ``lv_j ≤ g < lv_{j+1}`` (``searchsorted(right) − 1`` clamped, so the maximum
   joins the last one), ``lt = g − a``, ``rt = b − g``, running sums ``cl``, ``cr`` over the *whole*
@@ -362,138 +360,10 @@ def _bitonic(buf, nvec, out):
                 out[lane * nvec + v] = buf[v * 16 + lane]
 
 
-# -- libstdc++ std::sort, step for step (buckets with zeros of both signs) ---------------------------
-@_inline
-def _lin_insert(a, i):
-    v = a[i]
-    k = i - 1
-    while k >= 0 and v < a[k]:
-        a[k + 1] = a[k]
-        k -= 1
-    a[k + 1] = v
-
-
-@_inline
-def _adjust_heap(a, first, hole, length, value):
-    top = hole
-    child = hole
-    while child < (length - 1) // 2:
-        child = 2 * (child + 1)
-        if a[first + child] < a[first + child - 1]:
-            child -= 1
-        a[first + hole] = a[first + child]
-        hole = child
-    if (length & 1) == 0 and child == (length - 2) // 2:
-        child = 2 * (child + 1)
-        a[first + hole] = a[first + child - 1]
-        hole = child - 1
-    while hole > top:
-        parent = (hole - 1) // 2
-        if not (a[first + parent] < value):
-            break
-        a[first + hole] = a[first + parent]
-        hole = parent
-    a[first + hole] = value
-
-
-@_inline
-def _heapsort(a, first, last):
-    n = last - first
-    if n >= 2:
-        parent = (n - 2) // 2
-        while True:
-            _adjust_heap(a, first, parent, n, a[first + parent])
-            if parent == 0:
-                break
-            parent -= 1
-    while last - first > 1:
-        last -= 1
-        v = a[last]
-        a[last] = a[first]
-        _adjust_heap(a, first, 0, last - first, v)
-
-
-@_inline
-def _swap(a, i, j):
-    t = a[i]
-    a[i] = a[j]
-    a[j] = t
-
-
-@_inline
-def _pivot_partition(a, first, last):
-    """Median of (first+1, mid, last−1) moved to ``first``, then the unguarded Hoare partition."""
-    mid = first + (last - first) // 2
-    x, y, z = first + 1, mid, last - 1
-    if a[x] < a[y]:
-        if a[y] < a[z]:
-            _swap(a, first, y)
-        elif a[x] < a[z]:
-            _swap(a, first, z)
-        else:
-            _swap(a, first, x)
-    elif a[x] < a[z]:
-        _swap(a, first, x)
-    elif a[y] < a[z]:
-        _swap(a, first, z)
-    else:
-        _swap(a, first, y)
-    lo = first + 1
-    hi = last
-    piv = a[first]
-    while True:
-        while a[lo] < piv:
-            lo += 1
-        hi -= 1
-        while piv < a[hi]:
-            hi -= 1
-        if not lo < hi:
-            return lo
-        _swap(a, lo, hi)
-        lo += 1
-
-
-@_func
-def _introsort(a, n):
-    """``std::sort(a, a + n)`` of libstdc++ with ``operator<`` (finite values)."""
-    if n < 2:
-        return
-    depth0 = 0
-    while (2 << depth0) <= n:
-        depth0 += 1
-    stack = np.empty((2 * 64 + 8, 3), np.int64)
-    sp = 0
-    stack[0, 0], stack[0, 1], stack[0, 2] = 0, n, 2 * depth0
-    sp = 1
-    while sp:
-        sp -= 1
-        first, last, depth = stack[sp, 0], stack[sp, 1], stack[sp, 2]
-        while last - first > 16:
-            if depth == 0:
-                _heapsort(a, first, last)
-                break
-            depth -= 1
-            cut = _pivot_partition(a, first, last)
-            stack[sp, 0], stack[sp, 1], stack[sp, 2] = cut, last, depth
-            sp += 1
-            last = cut
-    # final insertion sort: guarded on the first 16, unguarded after (a smaller element precedes)
-    for i in range(1, min(n, 16)):
-        if a[i] < a[0]:
-            v = a[i]
-            for k in range(i, 0, -1):
-                a[k] = a[k - 1]
-            a[0] = v
-        else:
-            _lin_insert(a, i)
-    for i in range(16, n):
-        _lin_insert(a, i)
-
-
 # -- LSD radix sort for long rows ------------------------------------------------------------------
 @_func
 def _radix_sort(a, n):
-    """Sort ``a[:n]`` (finite float32, at most one sign of zero) by 4 byte-wide LSD passes on keys
+    """Sort ``a[:n]`` (finite float32; ``−0.0`` before ``+0.0``) by 4 byte-wide LSD passes on keys
     ``bits ^ (sign ? 0xFFFFFFFF : 0x80000000)``; passes whose byte is constant are skipped."""
     bits = a[:n].view(np.uint32)
     k0 = np.empty(n, np.uint32)
@@ -560,7 +430,8 @@ def _pad_size(m):
 
 @_func
 def _sort_row(xs, xi, buf, srt):
-    """``srt[:xs.size]`` = the bucket ``xs`` sorted as torch.sort orders it; returns the flags."""
+    """``srt[:xs.size]`` = the bucket ``xs`` sorted as ``reference.sort_rows`` orders it (``−0.0``
+    before ``+0.0``); returns the flags."""
     m = xs.size
     if m <= _VSORT_MAX:
         npad = _pad_size(m)
@@ -572,10 +443,7 @@ def _sort_row(xs, xi, buf, srt):
     flags = _copy_pad(xs, xi, srt, m)
     if flags & _FLAG_NONFINITE:
         return flags
-    if (flags & 3) == 3:
-        _introsort(srt, m)
-    else:
-        _radix_sort(srt, m)
+    _radix_sort(srt, m)
     return flags
 
 

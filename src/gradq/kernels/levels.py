@@ -16,8 +16,9 @@ linear_encode      the same with Linear's levels
 shorter and gets its own levels), or, for the ``*_levels`` functions, a ``(rows, d)`` matrix whose
 rows are the buckets. Levels come back as an ``(num_buckets, L)`` float32 matrix.
 
-The reference sorts each bucket with ``torch.sort`` (libstdc++'s unstable introsort); the kernels
-reproduce its order of ``+0.0`` / ``−0.0`` too (see :mod:`gradq.kernels.cpu_levels`). ORQ is
+The reference sorts each bucket with ``−0.0`` before ``+0.0`` (``reference.sort_rows``), as the
+kernels do (see :mod:`gradq.kernels.cpu_levels`), so that a level that is a zero has one sign on
+every device. ORQ is
 supported for ``L ∈ {2, 3, 5, 9, 17}`` — the tie-breaking of torch's ``maximum``/``minimum`` on ``±0``
 in the midpoint rule changes with the SIMD width for more levels; Linear for any ``L = 2^k + 1`` up
 to 257 (up to ``2^width`` when encoding). Inputs must be finite (the quantizers check this): a NaN

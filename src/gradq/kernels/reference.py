@@ -171,15 +171,26 @@ def _check_level_matrix(mat: torch.Tensor, L: int) -> None:
         raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
 
 
+def sort_rows(mat: torch.Tensor) -> torch.Tensor:
+    """Every row of ``mat`` as float32, sorted ascending with ``−0.0`` before ``+0.0``.
+
+    ``torch.sort`` leaves the two zeros, which compare equal, in whatever order its algorithm does,
+    and the CPU's and CUDA's algorithms differ; a level that is a zero would then have another sign
+    on each device. The rows are sorted as order-preserving integer keys instead (the bits of a
+    negative float with its magnitude bits flipped), which every device and backend orders alike."""
+    bits = mat.to(torch.float32).contiguous().view(torch.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).sort(dim=1).values
+    return (keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
 def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
     """ORQ's ``L`` levels for each row of ``mat`` (a ``(nb, d)`` float matrix): an ``(nb, L)`` float32
     matrix with sorted rows, first column the row minimum and last the maximum (the algorithm is in
     :mod:`gradq.quantizers.orq`'s docstring)."""
     _check_level_matrix(mat, L)
     nb, d = mat.shape
-    srt = mat.to(torch.float32).sort(dim=1).values
+    srt = sort_rows(mat)
     g64 = srt.to(torch.float64)
-    inf = torch.tensor(math.inf, dtype=torch.float32, device=mat.device)
     lv = torch.stack([srt[:, 0], srt[:, -1]], dim=1)
     pos = torch.arange(d, device=mat.device).expand(nb, d)
     for _ in range(int(round(math.log2(L - 1)))):
@@ -203,12 +214,17 @@ def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
         right = cum_r.gather(1, end) - cum_r
         slope = left - right
         ok = (srt > a) & (srt < b) & (slope >= 0)
-        cand = torch.where(ok, srt, inf)
-        c = torch.full((nb, m - 1), math.inf, dtype=torch.float32, device=mat.device)
-        c = c.scatter_reduce(1, ids, cand, reduce="amin", include_self=True)
-        # halves first (no overflow), then clamp: with equal odd denormal ends 0.5a + 0.5a can leave [a, b]
-        mid = torch.minimum(torch.maximum(0.5 * lv[:, :-1] + 0.5 * lv[:, 1:], lv[:, :-1]), lv[:, 1:])
-        c = torch.where(torch.isinf(c), mid, c)
+        # the split is the first such position (by position, not by value: −0.0 and +0.0 tie as
+        # values, and a minimum over values would take either, differently on each device)
+        first_ok = torch.full((nb, m - 1), d, dtype=torch.int64, device=mat.device)
+        first_ok = first_ok.scatter_reduce(1, ids, torch.where(ok, pos, d), reduce="amin", include_self=True)
+        c = srt.gather(1, first_ok.clamp(max=d - 1))
+        # none: halves first (no overflow), then clamp, since with equal odd denormal ends 0.5a + 0.5a
+        # can leave [a, b]; a tie keeps the midpoint (torch.maximum/minimum break ties on ±0 by device)
+        lo, hi = lv[:, :-1], lv[:, 1:]
+        mid = 0.5 * lo + 0.5 * hi
+        mid = torch.where(mid > hi, hi, torch.where(mid < lo, lo, mid))
+        c = torch.where(first_ok < d, c, mid)
         lv = torch.cat([torch.stack([lv[:, :-1], c], dim=2).reshape(nb, -1), lv[:, -1:]], dim=1)
     return lv
 
@@ -217,7 +233,7 @@ def linear_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
     """Linear-L's levels per row: ``sorted[round(i·(d − 1)/(L − 1))]`` for ``i = 0 … L−1``."""
     _check_level_matrix(mat, L)
     d = mat.shape[1]
-    srt = mat.to(torch.float32).sort(dim=1).values
+    srt = sort_rows(mat)
     pos = torch.round(torch.arange(L, dtype=torch.float64, device=mat.device) * ((d - 1) / (L - 1)))
     return srt[:, pos.to(torch.int64)]
 
