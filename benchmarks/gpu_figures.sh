@@ -1,39 +1,57 @@
 #!/usr/bin/env bash
 # Every figure that needs a GPU, in one run (for a machine with one NVIDIA GPU; see docs/performance.md,
 # "Kernels" and "The DDP hook"): the GPU-marked tests, the codecs on CUDA (and their codec-times file),
-# the framework integrations, NCCL end to end, and, where
-# `ip`/`tc` work (as root), the hook with 4 ranks of their own cores on emulated 1 Gbit/s links.
+# NCCL end to end, the framework integrations, and, where `ip`/`tc` work (as root), the hook and the
+# collectives with 4 ranks of their own cores on emulated 1 Gbit/s links.
 #
-#   OUT=/some/dir bash benchmarks/gpu_figures.sh      # logs go to $OUT (default ./gpu-figures)
+#   OUT=/some/dir bash benchmarks/gpu_figures.sh                 # every step; logs go to $OUT
+#   STEPS="tests codecs" OUT=/some/dir bash benchmarks/gpu_figures.sh   # only these steps
 #
-# Runs from a checkout with PYTHONPATH=src (no install needed). Each step's log is kept even when a
-# step fails; the script goes on and reports the failures at the end.
+# Steps: tests codecs nccl hook collectives integrations. Each runs under its own time limit
+# (LIMIT_<step> seconds, defaults below), cut to what is left of END seconds (whole script; a step
+# with under 30 s left is skipped), and writes $OUT/<step>.log, kept even when the step fails;
+# the script goes on and names the failed and skipped steps at the end. Runs from a checkout with PYTHONPATH=src
+# (no install needed); GRADQ_DATA may point at the MNIST archive for the nccl step.
 set -u
 OUT=${OUT:-gpu-figures}
+STEPS=${STEPS:-tests codecs nccl hook collectives integrations}
 mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-src}
-PY=${PYTHON:-python}
-failed=()
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure
-  local name=$1; shift
-  echo "== $name: $*" | tee "$OUT/$name.log"
-  if ! "$@" >>"$OUT/$name.log" 2>&1; then failed+=("$name"); echo "   failed (see $OUT/$name.log)"; fi
-  tail -n 25 "$OUT/$name.log"
+export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
+PY=${PYTHON:-$(command -v python || command -v python3)}
+END=${END:-100000}
+failed=() skipped=()
+step() {  # step NAME DEFAULT_LIMIT COMMAND...: run if NAME is in $STEPS, log to $OUT/NAME.log
+  local name=$1 limit_var="LIMIT_$1" limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  limit=${!limit_var:-$limit}
+  if [ $((END - SECONDS)) -lt "$limit" ]; then limit=$((END - SECONDS)); fi
+  if [ "$limit" -lt 30 ]; then skipped+=("$name"); echo "== $name skipped: under 30 s left"; return 0; fi
+  local t0=$SECONDS
+  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
+  if ! timeout -k 10 "$limit" "$@" >>"$OUT/$name.log" 2>&1; then failed+=("$name"); echo "   failed (see $OUT/$name.log)"; fi
+  echo "   $name took $((SECONDS - t0)) s"
+  tail -n 40 "$OUT/$name.log"
 }
-nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpu.txt" 2>&1 || true
-$PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >>"$OUT/gpu.txt" 2>&1
-step gpu-tests "$PY" -m pytest -q -m gpu tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
-step codecs-cuda "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, triton, numba; print(torch.__version__, triton.__version__, numba.__version__, torch.cuda.get_device_name())"
+  nproc; } >"$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovider \
+  tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
+step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
   --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
-step integrations-gpu "$PY" -m pytest -q tests/test_integrations.py   # the examples pick CUDA when present
-step nccl-train "$PY" -m gradq.cli train --backend nccl --workers 1 --model mlp --data digits --epochs 1 \
-  -c fp32 -c qsgd:bits=4,bucket=512 --out "$OUT/nccl-run"
+step nccl 90 "$PY" -m gradq.cli train --backend nccl --workers 1 --model mlp-wide --data mnist --epochs 1 \
+  -c fp32 -c qsgd:bits=4,bucket=512 --out "${TMPDIR:-/tmp}/gradq-nccl-run"
 if command -v tc >/dev/null && [ "$(id -u)" = 0 ]; then
-  step hook-1gbit "$PY" benchmarks/bench_hook_step.py --network 1gbit --threads 3
-  step collectives-1gbit "$PY" benchmarks/bench_collectives.py --network 1gbit --world 4 --repeats 7 \
-    --only "all_reduce" "scatter qsgd:bits=4" "scatter qsgd:bits=2" "gradq qsgd" "whole step"
+  step hook 150 "$PY" benchmarks/bench_hook_step.py --network 1gbit --world 4 --threads 3 --repeats 10 \
+    --json "$OUT/hook_1gbit.json"
+  step collectives 200 "$PY" benchmarks/bench_collectives.py --network 1gbit --world 4 --repeats 5 \
+    --only "all_reduce" "scatter qsgd:bits=4" "scatter qsgd:bits=2" "gradq qsgd" "whole step" \
+    --json "$OUT/collectives_1gbit.json"
 else
-  echo "== emulated links skipped: needs root and tc (docs/performance.md says how to install them)" | tee "$OUT/netem.log"
+  echo "== emulated links skipped: needs root and tc (docs/performance.md says how to install them)"
 fi
+step integrations 240 "$PY" -m pytest -q -n 3 -rfE --tb=short -p no:cacheprovider tests/test_integrations.py
+if [ ${#skipped[@]} -gt 0 ]; then echo "skipped steps: ${skipped[*]}"; fi
 if [ ${#failed[@]} -gt 0 ]; then echo "failed steps: ${failed[*]}"; exit 1; fi
 echo "all steps passed; logs in $OUT"
