@@ -364,8 +364,10 @@ def test_codec_times_are_read_per_mb_and_found_under_any_spelling(tmp_path):
     assert pm.predict(M100, "none", flat(), 4, codec_times=path).encode_ms == 0.0   # fp32: no codec
 
 
-def test_shipped_codec_times_cover_the_papers_schemes():
-    times = pm.codec_times_from("default")
+@pytest.mark.parametrize("which, device", [("default", "CPU"), ("h100", "H100")])
+def test_shipped_codec_times_cover_the_papers_schemes(which, device):
+    times = pm.codec_times_from(which)
+    assert device in times.device_name
     for spec in ("terngrad", "maxnorm:bits=2", "maxnorm:bits=4", "maxnorm:bits=8", "multiscale:bits=2+6",
                  "randk-maxnorm:ratio=0.01,bits=4", "qsgd:bits=4,bucket=512"):
         enc, dec = times.lookup(spec)

@@ -8,7 +8,8 @@ once ``n`` is far above a bucket (the benchmark uses 25M values).
 ``gradq perfmodel`` uses the file shipped with the package (:data:`DEFAULT_CODEC_TIMES`, measured on a
 2-core CPU with the numba kernels, see ``docs/performance.md``) unless ``--codec-times FILE`` names
 another — measure your own device with ``bench_codecs.py --memory --device cuda --json FILE`` — or
-``--codec-times none`` asks for no codec time. The shipped CPU figures overstate a GPU's codec time, so
+``--codec-times none`` asks for no codec time; ``--codec-times h100`` uses the shipped H100
+measurement (Triton kernels, 2026-11-26). The shipped CPU figures overstate a GPU's codec time, so
 a projection with them is conservative for compression.
 """
 
@@ -21,10 +22,12 @@ from typing import Optional, Union
 
 from .units import PerfModelError
 
-__all__ = ["CodecTimes", "load_codec_times", "DEFAULT_CODEC_TIMES", "codec_times_from"]
+__all__ = ["CodecTimes", "load_codec_times", "DEFAULT_CODEC_TIMES", "H100_CODEC_TIMES", "codec_times_from"]
 
 #: the measurement shipped with gradq (CPU, numba kernels); see the module docstring
 DEFAULT_CODEC_TIMES = Path(__file__).with_name("codec_times_cpu.json")
+#: the same benchmark on an NVIDIA H100 (Triton kernels), shipped too: ``--codec-times h100``
+H100_CODEC_TIMES = Path(__file__).with_name("codec_times_h100.json")
 _FORMAT = "gradq-codec-times/1"
 
 
@@ -104,11 +107,12 @@ def load_codec_times(path: Union[str, Path]) -> CodecTimes:
 
 
 def codec_times_from(value: Union[None, str, Path, CodecTimes]) -> Optional[CodecTimes]:
-    """A :class:`CodecTimes` from ``None``/``"none"`` (no codec time), ``"default"`` (the shipped file),
-    a path, or a :class:`CodecTimes` as it is."""
+    """A :class:`CodecTimes` from ``None``/``"none"`` (no codec time), ``"default"`` (the shipped CPU
+    file), ``"h100"`` (the shipped H100 file), a path, or a :class:`CodecTimes` as it is."""
     if value is None or isinstance(value, CodecTimes):
         return value
     text = str(value).strip()
     if text.lower() == "none":
         return None
-    return load_codec_times(DEFAULT_CODEC_TIMES if text.lower() == "default" else text)
+    shipped = {"default": DEFAULT_CODEC_TIMES, "h100": H100_CODEC_TIMES}
+    return load_codec_times(shipped.get(text.lower(), text))
