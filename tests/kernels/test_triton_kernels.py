@@ -84,6 +84,21 @@ def test_uniform_primitives(n, bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("chunk", [2, 4, 1024])
+def test_sigma_merge_tree(chunk, monkeypatch):
+    """TernGrad's σ through one, two and several levels of the merge tree (small merge chunks, so
+    that a few blocks take several levels): the reference's σ, bit for bit, on data with an offset
+    (a large mean, where a one-pass E[x²] − E[x]² would cancel) and on the edge-case data."""
+    monkeypatch.setattr(T, "_MOMENT_BLOCK", 64)
+    monkeypatch.setattr(T, "_MERGE_CHUNK", chunk)
+    g = torch.Generator().manual_seed(chunk)
+    for x in (torch.randn(3001, generator=g) + 1000.0, data(2000, chunk), torch.randn(65, generator=g),
+              torch.full((130,), 0.25)):
+        assert same(T.population_std(x).reshape(1), R.population_std(x).reshape(1)), chunk
+        assert T.terngrad_stats(x, 2.5, None)[0] == R.terngrad_stats(x, 2.5, None)[0]
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("n", [1, 9, 1000])
 @pytest.mark.parametrize("bucket", [None, 7, 64])
 def test_level_and_bit_primitives(n, bucket):

@@ -71,6 +71,7 @@ def _jit(fn):
              if n in VALUE_ARGS and "constexpr" not in str(p.annotation)]
     return triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
 
+
 _GROUPS = 128          # groups of 8 fields (or 5 trits) per program
 _FUSED_MAX = 4096      # largest power-of-two bucket the one-pass QSGD encode handles
 _ROWS = 64             # buckets per program (at most) in the max-abs pass
@@ -206,6 +207,37 @@ def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, n, BLOC
     tl.store(mean_ptr + pid, mean)
     tl.store(m2_ptr + pid, tl.sum(d * d, axis=0))
     tl.atomic_max(maxbits_ptr, tl.max(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+
+
+@triton.jit
+def _chan_merge(na, ma, qa, nb, mb, qb):
+    """Chan et al.'s merge of two (count, mean, centred sum of squares) triples, float64; a triple
+    with count 0 is the identity."""
+    tot = na + nb
+    safe = tl.where(tot > 0, tot, 1.0)
+    d = mb - ma
+    return tot, ma + d * (nb / safe), qa + qb + d * d * (na * nb / safe)
+
+
+@_jit
+def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_ptr, nblocks,
+                          CHUNK: tl.constexpr, FINAL: tl.constexpr):
+    """One level of the merge tree: each program reduces CHUNK consecutive (count, mean, centred sum
+    of squares) triples by Triton's fixed reduction tree (deterministic) into one triple; with FINAL
+    (one program) it stores σ as float32 at ``ocnt_ptr`` instead."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < nblocks
+    n = tl.load(cnt_ptr + offs, mask=ok, other=0.0)
+    m = tl.load(mean_ptr + offs, mask=ok, other=0.0)
+    q = tl.load(m2_ptr + offs, mask=ok, other=0.0)
+    bn, bm, bq = tl.reduce((n, m, q), 0, _chan_merge)
+    if FINAL:
+        tl.store(ocnt_ptr, tl.sqrt(bq / bn).to(tl.float32))   # (a float32 pointer here)
+    else:
+        tl.store(ocnt_ptr + pid, bn)
+        tl.store(omean_ptr + pid, bm)
+        tl.store(om2_ptr + pid, bq)
 
 
 @_jit
@@ -630,28 +662,29 @@ def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[t
 
 # -- TernGrad's statistics -------------------------------------------------------------------------
 _MOMENT_BLOCK = 4096
+_MERGE_CHUNK = 1024
 
 
 def _moments(xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(σ as a float32 0-dim tensor, max |x| as float32)`` in one read of ``xv``: per block its
-    count, mean and centred sum of squares in float64, merged pairwise in a fixed tree (Chan et
-    al.'s update) by torch on the device. σ equals the reference's two-pass float64 σ rounded to
-    float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
+    count, mean and centred sum of squares in float64, then the blocks' triples merged (Chan et al.'s
+    update) by a tree of Triton programs, each merging up to ``_MERGE_CHUNK`` of them: 3 launches for
+    up to 2^32 values. σ equals the reference's two-pass float64 σ rounded to float32, except within
+    float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = (torch.empty(grid[0], dtype=torch.float64, device=xv.device) for _ in range(3))
-    bits = torch.zeros(1, dtype=torch.int32, device=xv.device)
-    _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, bits, n, BLOCK=_MOMENT_BLOCK)
-    while cnt.numel() > 1:  # pairwise merges, the odd last block carried to the next level
-        k = cnt.numel() // 2
-        na, nb = cnt[0:2 * k:2], cnt[1:2 * k:2]
-        ma, mb = mean[0:2 * k:2], mean[1:2 * k:2]
-        tot = na + nb
-        delta = mb - ma
-        merged = (tot, ma + delta * (nb / tot), m2[0:2 * k:2] + m2[1:2 * k:2] + delta * delta * (na * nb / tot))
-        cnt, mean, m2 = (torch.cat([v, old[2 * k:]]) for v, old in zip(merged, (cnt, mean, m2)))
-    sigma = (m2[0] / cnt[0]).sqrt().to(torch.float32)
-    return sigma, bits.view(torch.float32)[0]
+    out = torch.zeros(2, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ]
+    _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, n, BLOCK=_MOMENT_BLOCK)
+    f = out.view(torch.float32)
+    while cnt.numel() > _MERGE_CHUNK:
+        k = -(-cnt.numel() // _MERGE_CHUNK)
+        nxt = [torch.empty(k, dtype=torch.float64, device=xv.device) for _ in range(3)]
+        _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), CHUNK=_MERGE_CHUNK, FINAL=False)
+        cnt, mean, m2 = nxt
+    _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f[1:], f[1:], f[1:], cnt.numel(), CHUNK=_MERGE_CHUNK,
+            FINAL=True)
+    return f[1], f[0]
 
 
 def population_std(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""Device operations and host reads per call of the Triton backend, counted without a GPU.
+
+At a gradient's size a GPU encode is short: a 100 MB copy takes about 73 µs on an H100, so every
+extra kernel launch (a few µs of host time each) and every host read (which waits for the queue to
+drain) shows in the time per call (docs/performance.md, "GPU (Triton)"). This script counts them
+for each scheme's ``encode`` and ``decode(out=)`` through the public API, on CPU tensors with the
+Triton kernels under the interpreter (``GRADQ_KERNELS=triton``), which take the same code path as
+CUDA tensors:
+
+* ``triton``: Triton kernel launches;
+* ``torch``: torch operators that run a device kernel (every aten operator except views, shape
+  and metadata operators and allocations, which launch nothing on a GPU);
+* ``host reads``: operators that bring a device value to the host (``.item()``, ``int(t)``,
+  ``float(t)``, ``bool(t)``), each a synchronization on a GPU.
+
+    python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...]
+
+The counts do not depend on ``n`` beyond a few logarithmic terms (tree merges); they are a proxy
+for the host-side cost per call, to be set against times measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+os.environ.setdefault("GRADQ_KERNELS", "triton")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import gradq  # noqa: E402
+from gradq import kernels as K  # noqa: E402
+from gradq.kernels import triton_ops as T  # noqa: E402
+
+#: operators that launch nothing on a GPU: views, metadata, allocation
+NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
+             "t", "transpose", "permute", "unsqueeze", "squeeze", "empty", "empty_like", "empty_strided",
+             "new_empty", "new_empty_strided", "set_", "lift_fresh", "split", "split_with_sizes", "unbind",
+             "view_as_real", "resolve_conj", "resolve_neg", "unfold", "flatten", "narrow", "_reshape_alias",
+             "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "contiguous"}
+HOST_READ = {"_local_scalar_dense", "item"}
+
+
+class Count(TorchDispatchMode):
+    """Counts the aten operators run outside Triton launches (the interpreter's own copies of a
+    kernel's arguments are not the program's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.in_launch = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.in_launch:
+            self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counts(fn) -> tuple[int, int, int, Counter]:
+    launches = [0]
+    real = T._launch
+    c = Count()
+
+    def counting(kernel, grid, *a, **kw):
+        launches[0] += 1
+        c.in_launch = True
+        try:
+            return real(kernel, grid, *a, **kw)
+        finally:
+            c.in_launch = False
+
+    T._launch = counting
+    try:
+        with c:
+            fn()
+    finally:
+        T._launch = real
+    torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL and k not in HOST_READ)
+    reads = sum(v for k, v in c.ops.items() if k in HOST_READ)
+    return launches[0], torch_ops, reads, c.ops
+
+
+def main() -> None:
+    from bench_codecs import MEMORY_SPECS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=100_000, help="number of fp32 values (default 100000)")
+    ap.add_argument("--spec", action="append", help="count this spec (repeatable; default: bench_codecs' list)")
+    ap.add_argument("--ops", action="store_true", help="also list the torch operators of each call")
+    args = ap.parse_args()
+    x = torch.randn(args.n, generator=torch.Generator().manual_seed(0))
+    dst = torch.empty_like(x)
+    assert K.backend_for(x) == "triton", "GRADQ_KERNELS=triton is needed (set before gradq is imported)"
+    print(f"n = {args.n:,}; Triton kernels under the interpreter, torch {torch.__version__}\n")
+    print("| spec | encode: triton | torch | host reads | decode(out=): triton | torch | host reads |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for spec in args.spec or [s for s in MEMORY_SPECS if "coding=" not in s]:
+        q = gradq.build(spec)
+        p = q.encode(x, seed=1)
+        q.decode(p, out=dst)
+        e = counts(lambda: q.encode(x, seed=2))
+        d = counts(lambda: q.decode(p, out=dst))
+        print(f"| {q.spec} | {e[0]} | {e[1]} | {e[2]} | {d[0]} | {d[1]} | {d[2]} |", flush=True)
+        if args.ops:
+            print(f"|   encode ops: {dict(e[3])} |\n|   decode ops: {dict(d[3])} |")
+
+
+if __name__ == "__main__":
+    main()
