@@ -84,6 +84,26 @@ def test_uniform_primitives(n, bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_decode_mean_reads_payloads_in_place_at_any_offsets():
+    """Payloads that are slices of one receive buffer are read where they lie: at a fixed stride
+    (offsets made on the device), backwards, at irregular offsets, and one payload twice."""
+    n, s, w = 1001, 7, 4
+    x = data(n, 5)
+    packed, sc = R.maxabs_uniform_encode(x, s, 64, w, RandomStream(1))
+    nbytes = packed.numel()
+    buf = torch.zeros(7 * nbytes + 13, dtype=torch.uint8)
+    for starts in ([3, 3 + nbytes, 3 + 2 * nbytes], [5 * nbytes, 3 * nbytes, nbytes], [0, 2 * nbytes + 13, nbytes],
+                   [nbytes, nbytes], [2 * nbytes + 1]):
+        views = []
+        for k, o in enumerate(starts):
+            buf[o:o + nbytes] = packed.roll(k)
+            views.append(buf[o:o + nbytes])
+        scales = [sc * (k + 1) for k in range(len(views))]
+        want = R.uniform_decode_mean([v.clone() for v in views], scales, s, 64, w, n)
+        assert same(T.uniform_decode_mean(views, scales, s, 64, w, n), want), starts
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("chunk", [2, 4, 1024])
 def test_sigma_merge_tree(chunk, monkeypatch):
     """TernGrad's σ through one, two and several levels of the merge tree (small merge chunks, so

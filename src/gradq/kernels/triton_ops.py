@@ -599,7 +599,13 @@ def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch
     dev = packed[0].device
     if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
         base = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
-        return base, torch.tensor([t.storage_offset() for t in packed], dtype=torch.int64, device=dev)
+        offs = [t.storage_offset() for t in packed]
+        step = offs[1] - offs[0] if len(offs) > 1 else 1
+        if step and offs == list(range(offs[0], offs[0] + step * len(offs), step)):
+            # payloads at a fixed stride (one payload, or a received buffer): made on the device,
+            # with no host-to-device copy (one from pageable memory can wait for the stream)
+            return base, torch.arange(offs[0], offs[0] + step * len(offs), step, dtype=torch.int64, device=dev)
+        return base, torch.tensor(offs, dtype=torch.int64, device=dev)
     base = torch.cat([t.reshape(-1) for t in packed])
     return base, torch.arange(len(packed), dtype=torch.int64, device=dev) * nbytes
 
