@@ -11,7 +11,9 @@ CUDA tensors:
 * ``torch``: torch operators that run a device kernel (every aten operator except views, shape
   and metadata operators and allocations, which launch nothing on a GPU);
 * ``host reads``: operators that bring a device value to the host (``.item()``, ``int(t)``,
-  ``float(t)``, ``bool(t)``), each a synchronization on a GPU.
+  ``float(t)``, ``bool(t)``), each a synchronization on a GPU;
+* ``from host``: tensors made from host data (``torch.tensor(list, device=...)``), each a copy
+  from pageable memory on a GPU.
 
     python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...]
 
@@ -39,10 +41,11 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 #: operators that launch nothing on a GPU: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
              "t", "transpose", "permute", "unsqueeze", "squeeze", "empty", "empty_like", "empty_strided",
-             "new_empty", "new_empty_strided", "set_", "lift_fresh", "split", "split_with_sizes", "unbind",
+             "new_empty", "new_empty_strided", "set_", "split", "split_with_sizes", "unbind",
              "view_as_real", "resolve_conj", "resolve_neg", "unfold", "flatten", "narrow", "_reshape_alias",
              "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "contiguous"}
 HOST_READ = {"_local_scalar_dense", "item"}
+FROM_HOST = {"lift_fresh"}
 
 
 class Count(TorchDispatchMode):
@@ -60,7 +63,7 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counts(fn) -> tuple[int, int, int, Counter]:
+def counts(fn) -> tuple[int, int, int, int, Counter]:
     launches = [0]
     real = T._launch
     c = Count()
@@ -79,9 +82,9 @@ def counts(fn) -> tuple[int, int, int, Counter]:
             fn()
     finally:
         T._launch = real
-    torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL and k not in HOST_READ)
+    torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL | HOST_READ | FROM_HOST)
     reads = sum(v for k, v in c.ops.items() if k in HOST_READ)
-    return launches[0], torch_ops, reads, c.ops
+    return launches[0], torch_ops, reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.ops
 
 
 def main() -> None:
@@ -96,17 +99,18 @@ def main() -> None:
     dst = torch.empty_like(x)
     assert K.backend_for(x) == "triton", "GRADQ_KERNELS=triton is needed (set before gradq is imported)"
     print(f"n = {args.n:,}; Triton kernels under the interpreter, torch {torch.__version__}\n")
-    print("| spec | encode: triton | torch | host reads | decode(out=): triton | torch | host reads |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| spec | encode: triton | torch | host reads | from host | decode(out=): triton | torch | host reads "
+          "| from host |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for spec in args.spec or [s for s in MEMORY_SPECS if "coding=" not in s]:
         q = gradq.build(spec)
         p = q.encode(x, seed=1)
         q.decode(p, out=dst)
         e = counts(lambda: q.encode(x, seed=2))
         d = counts(lambda: q.decode(p, out=dst))
-        print(f"| {q.spec} | {e[0]} | {e[1]} | {e[2]} | {d[0]} | {d[1]} | {d[2]} |", flush=True)
+        print(f"| {q.spec} | {' | '.join(str(v) for v in e[:4])} | {' | '.join(str(v) for v in d[:4])} |", flush=True)
         if args.ops:
-            print(f"|   encode ops: {dict(e[3])} |\n|   decode ops: {dict(d[3])} |")
+            print(f"|   encode ops: {dict(e[4])} |\n|   decode ops: {dict(d[4])} |")
 
 
 if __name__ == "__main__":
