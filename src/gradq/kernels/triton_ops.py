@@ -282,9 +282,10 @@ def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, 
 
 @_jit
 def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, nbytes, nb, bucket, s,
-                           max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr):
-    """``out = (((d_0 + d_1) + …) / M``, ``d_j = float32(field − s)·(scale_jb / s)``, and the
-    number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``."""
+                           max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr,
+                           CHECK: tl.constexpr):
+    """``out = (((d_0 + d_1) + …) / M``, ``d_j = float32(field − s)·(scale_jb / s)``, and, with
+    CHECK, the number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``."""
     pid = tl.program_id(0)
     grp = pid.to(tl.int64) * G + tl.arange(0, G)
     k = tl.arange(0, 8)
@@ -312,7 +313,8 @@ def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, 
     if M > 1:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, M, tl.float32))
     tl.store(out_ptr + idx, acc, mask=ok)
-    tl.store(bad_ptr + pid, tl.sum(nbad, axis=0))
+    if CHECK:
+        tl.store(bad_ptr + pid, tl.sum(nbad, axis=0))
 
 
 @_jit
@@ -590,11 +592,26 @@ def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional
     return _encode(x, scales, 1, bucket, 0, rng, clip, out, False)[0]
 
 
+#: small constant tensors per (device, dtype, value): kernel arguments that need no launch to make
+_CONSTANTS: dict = {}
+
+
+def _constant(device: torch.device, dtype: torch.dtype, value: int = 0) -> torch.Tensor:
+    """A one-element tensor holding ``value``, made once per device (read-only by the kernels)."""
+    key = (str(device), dtype, value)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.full((1,), value, dtype=dtype, device=device)
+    return _CONSTANTS[key]
+
+
 def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uint8 base tensor and the int64 offset of each payload's bytes from it: the storage they
-    share (a received buffer: no copy), or else their concatenation."""
+    """A uint8 base tensor and the int64 offset of each payload's bytes from it: one payload itself,
+    the storage several share (a received buffer: no copy), or else their concatenation."""
     for t in packed:
         _payload(t, nbytes, what)
+    if len(packed) == 1:
+        data = _payload(packed[0], nbytes, what)
+        return data, _constant(data.device, torch.int64)
     st = packed[0].untyped_storage()
     dev = packed[0].device
     if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
@@ -623,15 +640,18 @@ def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
     d = _bucket(n, bucket)
     nb = _nbuckets(n, d)
     dev = base.device
-    sv = torch.stack([_vector(sc, nb, f"scales[{k}]", torch.float32, dev) for k, sc in enumerate(scales)])
+    vecs = [_vector(sc, nb, f"scales[{k}]", torch.float32, dev) for k, sc in enumerate(scales)]
+    sv = vecs[0] if len(vecs) == 1 else torch.stack(vecs)
     res = _out(out, n, torch.float32, dev)
     if n:
         per = 5 if trits else 8
         grid = _grid(-(-n // per), _GROUPS)
-        bad = torch.zeros(grid[0], dtype=torch.int32, device=dev)
+        check = trits or max_field is not None   # only where a code can be invalid
+        bad = torch.zeros(grid[0], dtype=torch.int32, device=dev) if check else _constant(dev, torch.int32)
         _launch(_uniform_decode_kernel, grid, base, offs, sv, res, bad, n, nbytes, nb, d, s,
-                255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_GROUPS)
-        if trits or max_field is not None:  # (a host read: only where a code can be invalid)
+                255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_GROUPS,
+                CHECK=check)
+        if check:  # (a host read)
             nbad = int(bad.sum())
             if nbad:
                 what = "bytes above 242 (3**5 - 1)" if trits else f"fields above {max_field}"
