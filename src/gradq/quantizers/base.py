@@ -216,7 +216,7 @@ class Quantizer:
             NonFiniteError: ``x`` holds NaN or Inf.
             TypeError: ``x`` is not a floating-point tensor.
         """
-        late = self._scales_reveal_nonfinite(x)
+        late = self._scales_reveal_nonfinite(x, shared)
         v = self._flatten(x, name, screen=not late)
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
@@ -229,10 +229,11 @@ class Quantizer:
             check_finite(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
-        """True if this scheme's encode of ``x`` can run on non-finite data harmlessly and its
-        ``scales`` field (a norm per bucket) is NaN/Inf whenever ``x`` holds NaN/Inf: the up-front
-        screen (one extra pass over ``x``) is then replaced by a look at the scales afterwards."""
+    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
+        """True if this scheme's encode of ``x`` (with these ``shared`` values, if any) can run on
+        non-finite data harmlessly and its ``scales`` field (a norm per bucket) is NaN/Inf whenever
+        ``x`` holds NaN/Inf: the up-front screen (one extra pass over ``x``) is then replaced by a
+        look at the scales afterwards."""
         return False
 
     def _check_shared(self, shared: Mapping[str, torch.Tensor],

@@ -30,7 +30,10 @@ __all__ = ["MaxNorm", "check_shared_scale"]
 
 
 def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> None:
-    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one."""
+    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one.
+    (Nothing to check, and no host read, when the "shared" scale is the worker's own.)"""
+    if shared is own:
+        return
     if shared.numel() and bool((shared < own * (1 - 1e-6)).any()):
         raise ValueError(f"{name}: the shared scale is below this worker's own norm; "
                          "it must be the MAX over workers of shared_stats()['scale']")
@@ -63,6 +66,12 @@ class MaxNorm(SummableQuantizer):
     def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         return {"codes": (torch.uint8, packed_nbytes(numel, self.width)),
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
+
+    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
+        # with its own scale (no shared one given), the scales field is the bucket's max or L2 norm,
+        # NaN/Inf exactly when the bucket holds one (or, L2 only, when finite squares overflow),
+        # and every backend only does arithmetic on NaN/Inf
+        return shared is None and x.dtype == torch.float32
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         norms = kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales

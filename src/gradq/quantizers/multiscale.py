@@ -94,7 +94,7 @@ class MultiScale(SummableQuantizer):
         layout["scales"] = (torch.float32, num_buckets(numel, self.bucket))
         return layout
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor) -> bool:
+    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
         # the kernels only do arithmetic on NaN/Inf, and a bucket's norm is NaN/Inf when it holds one
         return x.dtype == torch.float32
 
