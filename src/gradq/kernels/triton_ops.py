@@ -607,23 +607,21 @@ def _constant(device: torch.device, dtype: torch.dtype, value: int = 0) -> torch
 def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A uint8 base tensor and the int64 offset of each payload's bytes from it: one payload itself,
     the storage several share (a received buffer: no copy), or else their concatenation."""
-    for t in packed:
-        _payload(t, nbytes, what)
-    if len(packed) == 1:
-        data = _payload(packed[0], nbytes, what)
-        return data, _constant(data.device, torch.int64)
+    datas = [_payload(t, nbytes, what) for t in packed]
+    if len(datas) == 1:
+        return datas[0], _constant(datas[0].device, torch.int64)
     st = packed[0].untyped_storage()
     dev = packed[0].device
     if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
         base = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
         offs = [t.storage_offset() for t in packed]
-        step = offs[1] - offs[0] if len(offs) > 1 else 1
+        step = offs[1] - offs[0]
         if step and offs == list(range(offs[0], offs[0] + step * len(offs), step)):
-            # payloads at a fixed stride (one payload, or a received buffer): made on the device,
-            # with no host-to-device copy (one from pageable memory can wait for the stream)
+            # payloads at a fixed stride (a received buffer): offsets made on the device, with no
+            # host-to-device copy (one from pageable memory can wait for the stream)
             return base, torch.arange(offs[0], offs[0] + step * len(offs), step, dtype=torch.int64, device=dev)
         return base, torch.tensor(offs, dtype=torch.int64, device=dev)
-    base = torch.cat([t.reshape(-1) for t in packed])
+    base = torch.cat(datas)
     return base, torch.arange(len(packed), dtype=torch.int64, device=dev) * nbytes
 
 
