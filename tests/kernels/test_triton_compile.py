@@ -68,6 +68,17 @@ SCRIPT = textwrap.dedent('''
          dict(L=2, W=2, IW=1, G=128), True),
         ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C), dict(L=2, W=2, IW=1, G=128), True),
+    ] + [
+        ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF64, lv_ptr=PF, buf_ptr=PF64, nrows=I, w=I, MODE=C, ITERS=C,
+         D=C, LOG=C, ROWS=C, TAIL=C), dict(MODE=mode, ITERS=iters, D=d, LOG=d.bit_length() - 1,
+         ROWS=1 if tail else max(1, 4096 // d), TAIL=tail), False)
+        for mode, iters, d, tail in [(0, 0, 512, False), (1, 0, 512, False), (2, 0, 512, False), (2, 3, 64, False),
+                                     (2, 1, 1, False), (0, 0, 4096, False), (0, 0, 16, True), (1, 0, 512, True),
+                                     (2, 2, 4096, True)]
+    ] + [
+        ("_linear_levels_kernel", dict(x_ptr=PF, pos_ptr=PI64, lv_ptr=PF, n=I, bucket=I, nrows=I, L=C, P=C, LOG=C,
+         ROWS=C), dict(L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows), False)
+        for L, p, rows in [(5, 512, 8), (3, 16, 1)]
     ]
     for name, sig, consts, divides in cases:
         fn = getattr(T, name)
@@ -80,7 +91,8 @@ SCRIPT = textwrap.dedent('''
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                            options={"enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        assert not re.search(r"\\bfma\\.[a-z.]*f32", ptx), name + ": an FMA would round once where the reference rounds twice"
+        assert not re.search(r"\\bfma\\.[a-z.]*f(32|64)", ptx), name + ": an FMA would round once where the reference rounds twice"
+        assert set(re.findall(r"\\bdiv\\.(\\w+)\\.f64", ptx)) <= {"rn"}, name + ": float64 division not correctly rounded"
         if divides:
             assert "div.rn.f32" in ptx and not re.search(r"div\\.(approx|full)\\.f32", ptx), name + ": inexact division"
         print("compiled", name)

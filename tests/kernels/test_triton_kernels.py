@@ -119,6 +119,54 @@ def test_sigma_merge_tree(chunk, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("tail", [0, 1, 2, 3, 5, 15])
+def test_one_bit_statistics_in_triton(tail, monkeypatch):
+    """The one-bit statistics of power-of-two buckets and of a partial last bucket of any width run
+    in the Triton kernels (the torch reference is not called), with the reference's folds: the
+    same thresholds and levels, bit for bit, for SignSGD, 1BitSGD and BinGrad-b with 0 to 3 Lloyd
+    steps. The rows include buckets of −0.0 only, of one sign only, and a constant one."""
+    g = torch.Generator().manual_seed(tail)
+    x = torch.cat([data(16 * 5, tail), -torch.zeros(16), torch.rand(16, generator=g), torch.full((16,), 0.3),
+                   torch.randn(tail, generator=g) * 1e3])
+    want = {name: fn(x, 16, *extra) for name, fn, extra in (
+        ("sign", R.sign_scale_encode, ()), ("onebit", R.onebit_encode, ()),
+        *[(f"bingrad{k}", R.bingrad_b_encode, (k,)) for k in range(4)])}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch reference was called")
+
+    monkeypatch.setattr(R, "one_bit_stats", refuse)
+    assert same(T.sign_scale_encode(x, 16), want["sign"])
+    assert same(T.onebit_encode(x, 16), want["onebit"])
+    for k in range(4):
+        assert same(T.bingrad_b_encode(x, 16, k), want[f"bingrad{k}"]), k
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket", [1, 16, 100, 512])
+def test_linear_levels_in_triton(bucket, monkeypatch):
+    """Linear's levels come from the Triton sort (the torch reference is not called), equal to the
+    reference's bit for bit: zeros of both signs in one bucket (−0.0 sorts first), ties across the
+    wanted positions, a shorter last bucket, and L = 3 … 129."""
+    g = torch.Generator().manual_seed(bucket)
+    zeros = torch.where(torch.rand(3 * bucket, generator=g) < 0.5, 0.0, -0.0)
+    ties = torch.randint(-2, 3, (2 * bucket,), generator=g).float()
+    x = torch.cat([data(4 * bucket, bucket), zeros, ties, torch.randn(bucket // 3 + 1, generator=g)])
+    chunks = list(R.bucket_chunks(x, bucket))
+    want = {L: torch.cat([R.linear_levels(m, L) for m in chunks]) for L in (3, 5, 17, 129)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch reference was called")
+
+    monkeypatch.setattr(R, "linear_levels", refuse)
+    monkeypatch.setattr(R, "sort_rows", refuse)
+    for L, ref in want.items():
+        assert same(T.linear_levels(x, L, bucket), ref), L
+    with pytest.raises(ValueError, match="2\\^k"):
+        T.linear_levels(x, 4, bucket)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("n", [1, 9, 1000])
 @pytest.mark.parametrize("bucket", [None, 7, 64])
 def test_level_and_bit_primitives(n, bucket):

@@ -21,8 +21,12 @@ How the kernels reproduce the reference:
   - QSGD with the max norm and a power-of-two bucket of 8 to 4096 values is fused into one pass:
     each program reads its buckets once, and writes their scales and bytes.
   - Other buckets take two passes: max-abs, then codes.
-  - TernGrad's σ and the level construction of ORQ, Linear and the one-bit schemes run in torch on
-    the device, in the reference's code. Their rounding and packing run here.
+  - TernGrad's σ: per-block float64 moments merged in a fixed tree.
+  - The one-bit statistics: whole power-of-two buckets per program, summed in the reference's
+    pairwise order (:func:`_fold_rows`); a partial last bucket in one more program.
+  - Linear's levels: each bucket sorted in registers by its order-preserving integer keys.
+  - ORQ's levels and BinGrad-pb's level run in torch on the device, in the reference's code: they
+    take float64 running sums in sorted order. Their rounding and packing run here.
 
 Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
 the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
@@ -63,7 +67,7 @@ from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _widt
 #: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
-VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L")
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w")
 
 
 def _jit(fn):
@@ -385,6 +389,147 @@ def _pb_bits_kernel(x_ptr, b_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0, G: t
     p = tl.where(b > 0.0, p, 1.0)
     u = _uniform(ctr0 + idx, k1, k2)
     _store_groups(out_ptr, tl.where(ok & (u < p), 1, 0), grp, nbytes, 1)
+
+
+@_jit
+def _fold_rows(v, ROWS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr):
+    """:func:`gradq.kernels.reference.pairwise_row_sum` of every row of ``v`` (``[ROWS, D]``,
+    ``D = 2**LOG ≤ SUM_BLOCK``): column ``i + D/2`` added to column ``i``, repeatedly. Each step
+    sums an axis of two, one addition, so the order is the reference's. A reduction may start from
+    ``+0.0``, which changes nothing but the sign of a zero, and only where the reference's sum is
+    ``−0.0``: that is where every entry is ``−0.0`` (``x + (−x)`` is ``+0.0``), set at the end."""
+    negzero = (v == 0.0) & (v.to(tl.int64, bitcast=True) < 0)
+    allneg = tl.sum(tl.where(negzero, 0, 1), axis=1) == 0
+    for j in tl.static_range(LOG):
+        v = tl.sum(tl.reshape(v, (ROWS, 2, D >> (j + 1))), axis=1)
+    bits = tl.reshape(v, (ROWS,)).to(tl.int64, bitcast=True)
+    return tl.where(allneg, bits | (-9223372036854775807 - 1), bits).to(tl.float64, bitcast=True)   # sign bit
+
+
+@_jit
+def _fold_tail(v, w, buf_ptr, P: tl.constexpr):
+    """:func:`gradq.kernels.reference.pairwise_row_sum` of one row of ``w ≤ P`` values (``v``,
+    float64 ``[1, P]``), any ``w ≤ SUM_BLOCK``: the reference's folds (``h = ⌊w/2⌋``, column
+    ``i + h`` added to column ``i``, an odd last column moved to ``h``) through the scratch
+    ``buf_ptr`` (``P`` float64). Returns ``[1]``."""
+    i = tl.arange(0, P)
+    v = tl.reshape(v, (P,))
+    while w > 1:
+        tl.store(buf_ptr + i, v, mask=i < w)
+        tl.debug_barrier()
+        h = w // 2
+        a = tl.load(buf_ptr + i, mask=i < h, other=0.0)
+        b = tl.load(buf_ptr + i + h, mask=i < h, other=0.0)
+        last = tl.load(buf_ptr + 2 * h + i * 0, mask=(i == h) & (w % 2 == 1), other=0.0)
+        v = tl.where(i < h, a + b, last)
+        tl.debug_barrier()
+        w = h + w % 2
+    tl.store(buf_ptr + i, v, mask=i < 1)
+    tl.debug_barrier()
+    r = tl.load(buf_ptr + tl.arange(0, 1))
+    tl.debug_barrier()
+    return r
+
+
+@_jit
+def _fold(v, w, buf_ptr, ROWS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr, TAIL: tl.constexpr):
+    if TAIL:
+        return _fold_tail(v, w, buf_ptr, D)
+    else:
+        return _fold_rows(v, ROWS, D, LOG)
+
+
+@_jit
+def _masked_mean(x, mask, empty, w, buf_ptr, ROWS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr,
+                 TAIL: tl.constexpr):
+    """:func:`gradq.kernels.reference.masked_mean` of the rows of ``x`` (float64 ``[ROWS, D]``)."""
+    cnt = tl.sum(mask.to(tl.int64), axis=1)
+    tot = _fold(tl.where(mask, x, 0.0), w, buf_ptr, ROWS, D, LOG, TAIL)
+    safe = tl.where(cnt > 0, cnt, 1).to(tl.float64)
+    return tl.where(cnt > 0, tot / safe, empty)   # float64 '/' is div.rn.f64
+
+
+@_jit
+def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, nrows, w, MODE: tl.constexpr, ITERS: tl.constexpr,
+                         D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr, TAIL: tl.constexpr):
+    """The one-bit statistics of buckets of ``w`` values, as
+    :func:`gradq.kernels.reference.one_bit_stats`: float64 thresholds into ``t_ptr`` and float32
+    levels into ``lv_ptr`` (MODE 0, SignSGD: ``mean |x|``; 1, 1BitSGD: the means of ``x < 0`` and
+    ``x ≥ 0``; 2, BinGrad-b: ``(b0, b1)`` after ``ITERS`` Lloyd steps). Either ``ROWS`` full
+    buckets of ``w = D = 2**LOG`` values a program, or (``TAIL``) one bucket of any ``w ≤ D``,
+    whose folds go through the scratch ``buf_ptr``."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, D)
+    ok = row < nrows
+    ok2 = ok[:, None] & (col[None, :] < w)
+    x32 = tl.load(x_ptr + row[:, None] * D + col[None, :], mask=ok2, other=0.0)
+    x = x32.to(tl.float64)
+    dd = tl.zeros((ROWS,), tl.float64) + w.to(tl.float64)
+    zero = tl.zeros((ROWS,), tl.float64)
+    if MODE == 0:
+        tl.store(t_ptr + row, zero, mask=ok)
+        lv = _fold(tl.abs(x), w, buf_ptr, ROWS, D, LOG, TAIL) / dd
+        tl.store(lv_ptr + row, lv.to(tl.float32), mask=ok)
+    else:
+        if MODE == 1:
+            t = zero
+            up = ok2 & (x32 >= 0.0)
+            b0 = _masked_mean(x, ok2 & (up == 0), zero, w, buf_ptr, ROWS, D, LOG, TAIL)
+            b1 = _masked_mean(x, up, zero, w, buf_ptr, ROWS, D, LOG, TAIL)
+        else:
+            t = _fold(x, w, buf_ptr, ROWS, D, LOG, TAIL) / dd
+            b0 = t
+            b1 = t
+            for step in tl.static_range(ITERS + 1):
+                if step > 0:
+                    t = 0.5 * (b0 + b1)
+                upper = ok2 & (x >= t[:, None])
+                b0 = _masked_mean(x, ok2 & (upper == 0), t, w, buf_ptr, ROWS, D, LOG, TAIL)
+                b1 = _masked_mean(x, upper, t, w, buf_ptr, ROWS, D, LOG, TAIL)
+        tl.store(t_ptr + row, t, mask=ok)
+        tl.store(lv_ptr + 2 * row, b0.to(tl.float32), mask=ok)
+        tl.store(lv_ptr + 2 * row + 1, b1.to(tl.float32), mask=ok)
+
+
+@_jit
+def _bitonic_rows(v, ROWS: tl.constexpr, P: tl.constexpr, LOG: tl.constexpr):
+    """Every row of ``v`` (integers, ``[ROWS, P]``, ``P = 2**LOG``) sorted ascending by a bitonic
+    network: merges of blocks of ``2**s``, exchanges at distance ``2**(s − 1 − t)``, a block sorted
+    downwards where bit ``s`` of the position is set. An exchange views the row as ``(…, 2, j)`` and
+    takes the minimum and maximum over the axis of two."""
+    side = tl.reshape(tl.arange(0, 2), (1, 1, 2, 1))
+    for s in tl.static_range(1, LOG + 1):
+        for t in tl.static_range(s):
+            y = tl.reshape(v, (ROWS, P >> (s - t), 2, 1 << (s - 1 - t)))
+            lo = tl.min(y, axis=2, keep_dims=True)
+            hi = tl.max(y, axis=2, keep_dims=True)
+            down = (tl.reshape(tl.arange(0, P >> (s - t)), (1, P >> (s - t), 1, 1)) >> t) & 1
+            v = tl.reshape(tl.where(side == down, lo, hi), (ROWS, P))
+    return v
+
+
+@_jit
+def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.constexpr, P: tl.constexpr,
+                          LOG: tl.constexpr, ROWS: tl.constexpr):
+    """Linear's levels of buckets (``bucket ≤ P`` values; the last may be shorter): each row sorted
+    by the order-preserving integer keys of its values (``reference.sort_rows``: ``−0.0`` before
+    ``+0.0``), padded with the largest key, and its values at the positions ``pos_ptr[0:L]`` (a
+    full bucket) or ``pos_ptr[L:2L]`` (a shorter last one)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, P)
+    start = row * bucket
+    width = tl.minimum(n - start, bucket)
+    live = row < nrows
+    ok = live[:, None] & (col[None, :] < width[:, None])
+    b = tl.load(x_ptr + start[:, None] + col[None, :], mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.where(ok, b ^ ((b >> 31) & 0x7FFFFFFF), 0x7FFFFFFF)
+    srt = _bitonic_rows(key, ROWS, P, LOG)
+    tail = tl.where(width < bucket, L, 0)
+    for j in tl.static_range(L):
+        p = tl.load(pos_ptr + tail + j, mask=live, other=0)
+        k = tl.sum(tl.where(col[None, :] == p[:, None], srt, 0), axis=1)   # the one key at p
+        v = (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        tl.store(lv_ptr + row * L + j, v, mask=live)
 
 
 @_jit
@@ -781,6 +926,42 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     return res
 
 
+_SORT_MAX = 4096       # longest bucket whose Linear levels are sorted in a Triton program
+_POSITIONS: dict = {}
+
+
+def _positions(d: int, tail: int, L: int, device: torch.device) -> torch.Tensor:
+    """Linear's sorted positions ``round(i·(m − 1)/(L − 1))`` (as ``reference.linear_levels``
+    computes them) for a full bucket ``m = d`` and a last bucket ``m = tail``, made once per device."""
+    key = (d, tail, L, str(device))
+    if key not in _POSITIONS:
+        rows = [torch.round(torch.arange(L, dtype=torch.float64) * ((m - 1) / (L - 1))).to(torch.int64)
+                for m in (d, max(tail, 1))]
+        _POSITIONS[key] = torch.cat(rows).to(device)
+    return _POSITIONS[key]
+
+
+def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tensor:
+    """Linear's ``(nb, L)`` levels of every bucket of ``x``, as ``reference.linear_levels`` per bucket
+    chunk: one Triton pass for buckets of up to ``_SORT_MAX`` values, torch for longer ones."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    if L < 2 or (L - 1) & (L - 2):
+        raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
+    nb = _nbuckets(n, d)
+    if d > _SORT_MAX:
+        chunks = list(reference.bucket_chunks(xv, bucket))
+        return torch.cat([reference.linear_levels(m, L) for m in chunks]) if chunks else xv.new_zeros(0, L)
+    levels = torch.empty(nb, L, dtype=torch.float32, device=xv.device)
+    if nb:
+        p = max(16, 1 << (d - 1).bit_length())
+        rows = _rows_per_program(_SORT_MAX // p, nb)
+        _launch(_linear_levels_kernel, _grid(nb, rows), xv, _positions(d, n - (nb - 1) * d, L, xv.device), levels,
+                n, d, nb, L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows)
+    return levels
+
+
 def _level_encode(x, L, bucket, width, rng, make_levels, out):
     xv = _flat(x, "x", torch.float32)
     chunks = list(reference.bucket_chunks(xv, bucket))
@@ -796,8 +977,10 @@ def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: 
 
 def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`gradq.kernels.reference.linear_encode`: levels in torch, rounding and packing here."""
-    return _level_encode(x, L, bucket, width, rng, reference.linear_levels, out)
+    """As :func:`gradq.kernels.reference.linear_encode`: two passes, the levels and then the codes."""
+    xv = _flat(x, "x", torch.float32)
+    levels = linear_levels(xv, L, bucket)
+    return levels_encode(xv, levels, bucket, width, rng, out), levels
 
 
 # -- one bit per element -------------------------------------------------------------------------
@@ -839,26 +1022,63 @@ def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int]
     return res
 
 
-def _one_bit(x: torch.Tensor, bucket: Optional[int], stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's statistics per bucket chunk (in torch, on the device), the bits here."""
+_STATS_ELEMS = 4096    # values per program in the one-bit statistics (whole buckets)
+
+
+def _rows_per_program(most: int, rows: int) -> int:
+    """Whole buckets per program: ``most`` (a power of two, at least 1), fewer when there are fewer
+    rows than that (a power of two covering them), so that no program is mostly masked."""
+    return max(1, min(most, 1 << max(rows - 1, 0).bit_length()))
+
+
+def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
+                  stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-bucket ``(float64 thresholds, flat float32 levels)`` as ``reference.one_bit_stats(xv,
+    bucket, stats)``. Full buckets of a power-of-two size up to ``reference.SUM_BLOCK`` take one
+    Triton pass (whole buckets per program, each read once, nothing input-sized allocated), a
+    partial last bucket one more launch; buckets of other sizes take the reference in torch."""
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    nfull = n // d if d and n else 0
+    if not nfull or d & (d - 1) or d > reference.SUM_BLOCK:
+        return reference.one_bit_stats(xv, bucket, stats)
+    per = 1 if mode == 0 else 2
+    nb = _nbuckets(n, d)
+    t = torch.empty(nb, dtype=torch.float64, device=xv.device)
+    lv = torch.empty(nb * per, dtype=torch.float32, device=xv.device)
+    rows = _rows_per_program(_STATS_ELEMS // d, nfull)
+    log = d.bit_length() - 1
+    _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, nfull, d, MODE=mode, ITERS=iters, D=d,
+            LOG=log, ROWS=rows, TAIL=False)
+    w = n - nfull * d
+    if w:   # the partial last bucket: one program, its folds through a scratch row
+        scratch = torch.empty(d, dtype=torch.float64, device=xv.device)
+        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t[nfull:], lv[nfull * per:], scratch, 1, w, MODE=mode,
+                ITERS=iters, D=d, LOG=log, ROWS=1, TAIL=True)
+    return t, lv
+
+
+def _one_bit(x: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
+             stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """The statistics (:func:`_binary_stats`), then the bits."""
     xv = _flat(x, "x", torch.float32)
-    t, lv = reference.one_bit_stats(xv, bucket, stats)
+    t, lv = _binary_stats(xv, bucket, mode, iters, stats)
     return threshold_encode(xv, t, bucket), lv
 
 
 def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.sign_scale_encode`."""
-    return _one_bit(x, bucket, reference.sign_scale_stats)
+    return _one_bit(x, bucket, 0, 0, reference.sign_scale_stats)
 
 
 def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.onebit_encode`."""
-    return _one_bit(x, bucket, reference.onebit_stats)
+    return _one_bit(x, bucket, 1, 0, reference.onebit_stats)
 
 
 def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int], iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.bingrad_b_encode`."""
-    return _one_bit(x, bucket, lambda mat: reference.bingrad_b_stats(mat, iters))
+    return _one_bit(x, bucket, 2, iters, lambda mat: reference.bingrad_b_stats(mat, iters))
 
 
 def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
