@@ -13,7 +13,12 @@ CUDA tensors:
 * ``host reads``: operators that bring a device value to the host (``.item()``, ``int(t)``,
   ``float(t)``, ``bool(t)``), each a synchronization on a GPU;
 * ``from host``: tensors made from host data (``torch.tensor(list, device=...)``), each a copy
-  from pageable memory on a GPU.
+  from pageable memory on a GPU;
+* ``peak``: the most bytes held at once by tensors the call allocated (outputs of operators whose
+  storage is neither an input's nor already counted; a storage is freed when the last tensor that
+  the call made on it dies), divided by the payload's bytes for an encode and by the input's for a
+  decode. On a GPU this is what ``torch.cuda.max_memory_allocated`` grows by during the call, up to
+  the allocator's rounding, since Triton kernels allocate nothing: the issue's ≤ 1.25 × payload.
 
     python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...]
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import weakref
 from collections import Counter
 
 os.environ.setdefault("GRADQ_KERNELS", "triton")
@@ -56,14 +62,49 @@ class Count(TorchDispatchMode):
         super().__init__()
         self.ops: Counter = Counter()
         self.in_launch = False
+        self.live: dict[int, list[int]] = {}   # storage address -> [bytes, tensors made on it]
+        self.held = 0
+        self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
         if not self.in_launch:
             self.ops[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            for t in _tensors(res):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr in self.live:
+                    self.live[ptr][1] += 1
+                elif ptr in inputs or not st.nbytes():
+                    continue
+                else:
+                    self.live[ptr] = [st.nbytes(), 1]
+                    self.held += st.nbytes()
+                    self.peak = max(self.peak, self.held)
+                weakref.finalize(t, self._release, ptr)
+        return res
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.live[ptr]
+            self.held -= entry[0]
 
 
-def counts(fn) -> tuple[int, int, int, int, Counter]:
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def counts(fn) -> tuple[int, int, int, int, int, Counter]:
     launches = [0]
     real = T._launch
     c = Count()
@@ -84,7 +125,8 @@ def counts(fn) -> tuple[int, int, int, int, Counter]:
         T._launch = real
     torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL | HOST_READ | FROM_HOST)
     reads = sum(v for k, v in c.ops.items() if k in HOST_READ)
-    return launches[0], torch_ops, reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.ops
+    return (launches[0], torch_ops, reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.peak,
+            c.ops)
 
 
 def main() -> None:
@@ -99,18 +141,19 @@ def main() -> None:
     dst = torch.empty_like(x)
     assert K.backend_for(x) == "triton", "GRADQ_KERNELS=triton is needed (set before gradq is imported)"
     print(f"n = {args.n:,}; Triton kernels under the interpreter, torch {torch.__version__}\n")
-    print("| spec | encode: triton | torch | host reads | from host | decode(out=): triton | torch | host reads "
-          "| from host |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| spec | encode: triton | torch | host reads | from host | peak ÷ payload | decode(out=): triton | torch "
+          "| host reads | from host | peak ÷ input |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for spec in args.spec or [s for s in MEMORY_SPECS if "coding=" not in s]:
         q = gradq.build(spec)
         p = q.encode(x, seed=1)
         q.decode(p, out=dst)
         e = counts(lambda: q.encode(x, seed=2))
         d = counts(lambda: q.decode(p, out=dst))
-        print(f"| {q.spec} | {' | '.join(str(v) for v in e[:4])} | {' | '.join(str(v) for v in d[:4])} |", flush=True)
+        cells = [*map(str, e[:4]), f"{e[4] / p.nbytes:.2f}", *map(str, d[:4]), f"{d[4] / x.nbytes:.2f}"]
+        print(f"| {q.spec} | {' | '.join(cells)} |", flush=True)
         if args.ops:
-            print(f"|   encode ops: {dict(e[4])} |\n|   decode ops: {dict(d[4])} |")
+            print(f"|   encode ops: {dict(e[5])} |\n|   decode ops: {dict(d[5])} |")
 
 
 if __name__ == "__main__":
