@@ -364,9 +364,10 @@ def gpu_input(kind: str, n: int, seed: int) -> torch.Tensor:
 
 
 def same_decode(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``same``, except that a NaN matches any NaN. Where an L2 norm overflows float32 (the edge-case
-    data's huge values), the scale is inf and ``0 · inf`` decodes to NaN on every device, but x86
-    makes a negative NaN and CUDA a positive one."""
+    """``same``, except that a NaN matches any NaN: where a decode makes a NaN (``0 · inf``), x86
+    makes a negative NaN and CUDA a positive one. (The edge-case data's huge values once gave an L2
+    scale of inf; norms now saturate at the largest float32, but a NaN's sign is still no part of
+    the result.)"""
     nan = torch.isnan(a)
     return torch.equal(nan, torch.isnan(b)) and same(torch.where(nan, 0.0, a), torch.where(nan, 0.0, b))
 

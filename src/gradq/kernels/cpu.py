@@ -36,6 +36,8 @@ from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _b
                            _pack_trits, _round_any, _round_sorted, _run_end, _run_keys, _uniform, _unpack,
                            _unpack_trits)
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)   # reference.FLOAT32_MAX (numba reads it as a constant)
+
 
 @intrinsic
 def _uniform_fields_vec(typingctx, xs, ts, nvec, r, s, clip, base, k2h):
@@ -151,8 +153,9 @@ def _sum16_vec(typingctx, xs, nvec, shift, square, mx):
 
 @_kernel
 def sumsq_norms(x, bucket, part, out):
-    """Per bucket: ``float32(sqrt(Σ float64(x)²))``, the bucket cut into parts of ``part`` values
-    summed in parallel (8 interleaved float64 accumulators each), the parts added in order."""
+    """Per bucket: ``float32(sqrt(Σ float64(x)²))`` (saturating at the largest float32 when the
+    input is finite), the bucket cut into parts of ``part`` values summed in parallel (8
+    interleaved float64 accumulators each), the parts added in order."""
     n = x.size
     nb = (n + bucket - 1) // bucket
     nparts = (bucket + part - 1) // part
@@ -177,7 +180,10 @@ def sumsq_norms(x, bucket, part, out):
         tot = 0.0
         for p in range(nparts):
             tot += tmp[b * nparts + p]
-        out[b] = np.float32(np.sqrt(tot))
+        root = np.sqrt(tot)
+        if root < np.inf:   # a finite norm above the largest float32 saturates (reference.saturate_norm)
+            root = min(root, _FLOAT32_MAX)
+        out[b] = np.float32(root)
 
 
 @_inline

@@ -32,7 +32,8 @@ from ..random import RandomStream
 
 __all__ = [
     # shared math
-    "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "stochastic_round",
+    "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "FLOAT32_MAX", "saturate_norm",
+    "stochastic_round",
     "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std", "orq_levels", "linear_levels",
     "round_to_levels", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
     "bingrad_b_levels",
@@ -106,12 +107,28 @@ def bucket_norms(mat: torch.Tensor, norm: str) -> torch.Tensor:
     The L2 norm is ``float32(sqrt(Σ float64(x)²))``: summed and rooted in float64, rounded once.
     Any order of the float64 sum then gives the same float32 result, except when the exact norm lies
     within float64 rounding (~1e-13 relative) of a float32 rounding tie. So every backend and
-    device agrees on it, which a float32 reduction (whose result depends on its order) would not."""
+    device agrees on it, which a float32 reduction (whose result depends on its order) would not.
+
+    The norm of finite float32 values can exceed the largest float32 (``FLOAT32_MAX``), where the
+    rounding would give ``inf`` and every decode ``inf·0 = NaN``. A float32 norm saturates at
+    ``FLOAT32_MAX`` instead (:func:`saturate_norm`): still at least every ``|x|``, so the rounding
+    stays unbiased and the decode finite. A non-finite input keeps its non-finite norm."""
     if mat.numel() == 0:
         return mat.new_zeros(mat.shape[0])
     if norm == "l2":
-        return mat.to(torch.float64).square().sum(dim=1).sqrt().to(mat.dtype)
+        root = mat.to(torch.float64).square().sum(dim=1).sqrt()
+        return (saturate_norm(root) if mat.dtype == torch.float32 else root).to(mat.dtype)
     return mat.abs().amax(dim=1)
+
+
+#: the largest finite float32, as a Python float (exact in float64)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def saturate_norm(root: torch.Tensor) -> torch.Tensor:
+    """Float64 norms ``root`` with every finite value above ``FLOAT32_MAX`` set to it (so that the
+    float32 rounding gives ``FLOAT32_MAX``, not ``inf``); ``inf`` and NaN are kept."""
+    return torch.where(torch.isfinite(root), root.clamp(max=FLOAT32_MAX), root)
 
 
 def stochastic_round(a: torch.Tensor, rng: RandomStream) -> torch.Tensor:

@@ -687,7 +687,7 @@ def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor
         ncol = -(-d // cols)
         part = torch.empty(nb, ncol, dtype=torch.float64, device=xv.device)
         _launch(_sumsq_kernel, (-(-nb // rows) * ncol,), xv, part, n, d, nb, ncol, ROWS=rows, COLS=cols)
-        res.view(-1).copy_(part.sum(dim=1).sqrt_())
+        res.view(-1).copy_(reference.saturate_norm(part.sum(dim=1).sqrt_()))
     return res
 
 
