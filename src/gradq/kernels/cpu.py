@@ -36,7 +36,7 @@ from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _b
                            _pack_trits, _round_any, _round_sorted, _run_end, _run_keys, _uniform, _unpack,
                            _unpack_trits)
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)   # reference.FLOAT32_MAX (numba reads it as a constant)
+from .reference import FLOAT32_MAX as _FLOAT32_MAX  # noqa: E402  (numba reads it as a constant)
 
 
 @intrinsic

@@ -47,6 +47,7 @@ import torch
 
 from .numba_ops import RngLike, _bucket, _cpu, _nbuckets, _out, _stream, _vec, _width
 from .numba_ops import levels_encode as _round_encode
+from .reference import linear_positions
 
 __all__ = ["orq_levels", "linear_levels", "orq_encode", "linear_encode", "ORQ_LEVELS"]
 
@@ -84,9 +85,8 @@ def _check_L(L: int, mode: int) -> int:
 
 
 def _positions(d: int, L: int) -> np.ndarray:
-    """Linear's quantile positions ``round(i·(d − 1)/(L − 1))``, computed as the reference does."""
-    pos = torch.round(torch.arange(L, dtype=torch.float64) * ((d - 1) / (L - 1)))
-    return pos.to(torch.int64).numpy()
+    """Linear's quantile positions (:func:`gradq.kernels.reference.linear_positions`)."""
+    return linear_positions(d, L).numpy()
 
 
 def _prepare(x: torch.Tensor, L: int, bucket: Optional[int], mode: int, matrix_ok: bool):

@@ -35,7 +35,7 @@ __all__ = [
     "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "FLOAT32_MAX", "saturate_norm",
     "stochastic_round",
     "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std", "orq_levels", "linear_levels",
-    "round_to_levels", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
+    "round_to_levels", "check_level_count", "linear_positions", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
     "bingrad_b_levels",
     # the kernel API
     "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "uniform_encode_trits", "uniform_decode",
@@ -184,8 +184,20 @@ def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
 def _check_level_matrix(mat: torch.Tensor, L: int) -> None:
     if mat.dim() != 2 or mat.shape[1] == 0:
         raise ValueError(f"expected a (buckets, d) matrix with d >= 1, got shape {tuple(mat.shape)}")
+    check_level_count(L)
+
+
+def check_level_count(L: int) -> None:
+    """ORQ's and Linear's level counts are ``2^k + 1``: refuse any other."""
     if L < 2 or (L - 1) & (L - 2):
         raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
+
+
+def linear_positions(d: int, L: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Linear-L's sorted positions in a row of ``d`` values: ``round(i·(d − 1)/(L − 1))`` for
+    ``i = 0 … L−1`` (int64; float64 arithmetic, ties to even). Every backend takes them from here."""
+    pos = torch.round(torch.arange(L, dtype=torch.float64, device=device) * ((d - 1) / (L - 1)))
+    return pos.to(torch.int64)
 
 
 def sort_rows(mat: torch.Tensor) -> torch.Tensor:
@@ -250,9 +262,7 @@ def linear_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
     """Linear-L's levels per row: ``sorted[round(i·(d − 1)/(L − 1))]`` for ``i = 0 … L−1``."""
     _check_level_matrix(mat, L)
     d = mat.shape[1]
-    srt = sort_rows(mat)
-    pos = torch.round(torch.arange(L, dtype=torch.float64, device=mat.device) * ((d - 1) / (L - 1)))
-    return srt[:, pos.to(torch.int64)]
+    return sort_rows(mat)[:, linear_positions(d, L, mat.device)]
 
 
 def round_to_levels(mat: torch.Tensor, levels: torch.Tensor, rng: RandomStream) -> torch.Tensor:

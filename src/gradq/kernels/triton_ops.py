@@ -509,6 +509,13 @@ def _bitonic_rows(v, ROWS: tl.constexpr, P: tl.constexpr, LOG: tl.constexpr):
 
 
 @_jit
+def _order_key(b):
+    """The signed order-preserving key of int32 float bit patterns ``b`` (``−0.0`` below ``+0.0``);
+    the map is its own inverse."""
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@_jit
 def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.constexpr, P: tl.constexpr,
                           LOG: tl.constexpr, ROWS: tl.constexpr):
     """Linear's levels of buckets (``bucket ≤ P`` values; the last may be shorter): each row sorted
@@ -522,13 +529,13 @@ def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.conste
     live = row < nrows
     ok = live[:, None] & (col[None, :] < width[:, None])
     b = tl.load(x_ptr + start[:, None] + col[None, :], mask=ok, other=0.0).to(tl.int32, bitcast=True)
-    key = tl.where(ok, b ^ ((b >> 31) & 0x7FFFFFFF), 0x7FFFFFFF)
+    key = tl.where(ok, _order_key(b), 0x7FFFFFFF)
     srt = _bitonic_rows(key, ROWS, P, LOG)
     tail = tl.where(width < bucket, L, 0)
     for j in tl.static_range(L):
         p = tl.load(pos_ptr + tail + j, mask=live, other=0)
         k = tl.sum(tl.where(col[None, :] == p[:, None], srt, 0), axis=1)   # the one key at p
-        v = (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        v = _order_key(k).to(tl.float32, bitcast=True)
         tl.store(lv_ptr + row * L + j, v, mask=live)
 
 
@@ -935,10 +942,14 @@ def _positions(d: int, tail: int, L: int, device: torch.device) -> torch.Tensor:
     computes them) for a full bucket ``m = d`` and a last bucket ``m = tail``, made once per device."""
     key = (d, tail, L, str(device))
     if key not in _POSITIONS:
-        rows = [torch.round(torch.arange(L, dtype=torch.float64) * ((m - 1) / (L - 1))).to(torch.int64)
-                for m in (d, max(tail, 1))]
-        _POSITIONS[key] = torch.cat(rows).to(device)
+        _POSITIONS[key] = torch.cat([reference.linear_positions(m, L) for m in (d, max(tail, 1))]).to(device)
     return _POSITIONS[key]
+
+
+def _torch_levels(xv: torch.Tensor, L: int, bucket: Optional[int], make_levels) -> torch.Tensor:
+    """``(nb, L)`` levels of every bucket chunk of ``xv`` by the reference's ``make_levels``, in torch."""
+    chunks = list(reference.bucket_chunks(xv, bucket))
+    return torch.cat([make_levels(m, L) for m in chunks]) if chunks else xv.new_zeros(0, L)
 
 
 def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tensor:
@@ -947,12 +958,10 @@ def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tenso
     xv = _flat(x, "x", torch.float32)
     n = xv.numel()
     d = _bucket(n, bucket)
-    if L < 2 or (L - 1) & (L - 2):
-        raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
+    reference.check_level_count(L)
     nb = _nbuckets(n, d)
     if d > _SORT_MAX:
-        chunks = list(reference.bucket_chunks(xv, bucket))
-        return torch.cat([reference.linear_levels(m, L) for m in chunks]) if chunks else xv.new_zeros(0, L)
+        return _torch_levels(xv, L, bucket, reference.linear_levels)
     levels = torch.empty(nb, L, dtype=torch.float32, device=xv.device)
     if nb:
         p = max(16, 1 << (d - 1).bit_length())
@@ -962,17 +971,12 @@ def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tenso
     return levels
 
 
-def _level_encode(x, L, bucket, width, rng, make_levels, out):
-    xv = _flat(x, "x", torch.float32)
-    chunks = list(reference.bucket_chunks(xv, bucket))
-    levels = torch.cat([make_levels(m, L) for m in chunks]) if chunks else xv.new_zeros(0, L)
-    return levels_encode(xv, levels, bucket, width, rng, out), levels
-
-
 def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
                out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.orq_encode`: levels in torch, rounding and packing here."""
-    return _level_encode(x, L, bucket, width, rng, reference.orq_levels, out)
+    xv = _flat(x, "x", torch.float32)
+    levels = _torch_levels(xv, L, bucket, reference.orq_levels)
+    return levels_encode(xv, levels, bucket, width, rng, out), levels
 
 
 def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
