@@ -334,8 +334,45 @@ def device_time(fn: Callable[[], object], repeats: int, device: torch.device, ba
     return statistics.median(times)
 
 
+def kernel_time(fn: Callable[[], object], calls: int = 5) -> tuple[float, float, dict]:
+    """On CUDA: ``(device seconds per call, device operations per call, {kernel name: µs per call})``,
+    summed over the kernels, copies and fills the profiler sees the device run during ``calls`` calls
+    after one warm-up. What the device itself spends, whatever the host adds between launches; the
+    difference from ``device_time`` is the host's share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            count += 1
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return sum(per_kernel.values()) / 1e6, count / calls, per_kernel
+
+
+def _kernel_columns(q, x: torch.Tensor, dst: torch.Tensor, p, t_copy_dev: float) -> tuple[str, dict]:
+    """The device-only columns of a CUDA row (see ``kernel_time``), or blanks where the profiler fails."""
+    seeds = itertools.count(SEED + 1000)
+    try:
+        ke, ne, kinds_e = kernel_time(lambda: q.encode(x, seed=next(seeds)))
+        kd, nd, kinds_d = kernel_time(lambda: q.decode(p, out=dst))
+    except Exception as e:  # a profiler that cannot start must not hide the timings
+        return f" profiler failed: {type(e).__name__} | |", {}
+    top = sorted(kinds_e.items(), key=lambda kv: -kv[1])[:3]
+    cols = f" {ke * 1e3:.3f} ({ne:.0f}) | {t_copy_dev / ke:.3f} | {kd * 1e3:.3f} ({nd:.0f}) | {t_copy_dev / kd:.3f} |"
+    return cols, {"encode_device_ms": ke * 1e3, "encode_device_ops": ne, "decode_device_ms": kd * 1e3,
+                  "decode_device_ops": nd, "encode_top_kernels_us": {k[:80]: round(v, 2) for k, v in top}}
+
+
 def _memory_row(q, x: torch.Tensor, dst: torch.Tensor, repeats: int, device: torch.device, batch: int,
-                t_copy: float) -> dict:
+                t_copy: float, t_copy_dev: Optional[float] = None) -> dict:
     """Time one scheme for ``memory_table``, print its row and return it. On CUDA the bytes are first
     compared with the CPU reference on the first million values; a difference is printed in the row
     (``bytes DIFFER``) and the scheme is still timed."""
@@ -356,11 +393,12 @@ def _memory_row(q, x: torch.Tensor, dst: torch.Tensor, repeats: int, device: tor
     seeds = itertools.count(SEED + 1)   # a new step's seed each call, as in training
     te = device_time(lambda: q.encode(x, seed=next(seeds)), repeats, device, batch)
     td = device_time(lambda: q.decode(p, out=dst), repeats, device, batch)
+    extra, dev = _kernel_columns(q, x, dst, p, t_copy_dev) if t_copy_dev else ("", {})
     print(f"| {q.spec}{note} | {te * 1e3:.3f} | {t_copy / te:.3f} | {td * 1e3:.3f} | {t_copy / td:.3f} | "
-          f"{enc_peak / p.nbytes:.2f} | {dec_peak / (4 * n):.2f} | {p.bits_per_coordinate:.3f} |", flush=True)
+          f"{enc_peak / p.nbytes:.2f} | {dec_peak / (4 * n):.2f} | {p.bits_per_coordinate:.3f} |{extra}", flush=True)
     return {"spec": q.spec, "encode_ms": te * 1e3, "decode_ms": td * 1e3, "bits_per_coordinate": p.bits_per_coordinate,
             "encode_peak_per_payload": enc_peak / p.nbytes, "decode_peak_per_input": dec_peak / (4 * n),
-            "same_bytes_as_cpu": not note}
+            "same_bytes_as_cpu": not note, **dev}
 
 
 def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional[str] = None,
@@ -376,16 +414,29 @@ def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n### Encode and decode on {device.type} ({name}), n = {n:,} float32, backend "
           f"{K.backend_for(x)}\n")
-    print(f"device copy dst.copy_(x): {t_copy * 1e3:.3f} ms ({8 * n / t_copy / 1e9:.1f} GB/s read + written)\n")
-    print("| spec | encode ms | × copy | decode(out=) ms | × copy | encode peak extra ÷ payload bytes "
-          "| decode(out=) peak extra ÷ input bytes | bits/coord |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"device copy dst.copy_(x): {t_copy * 1e3:.3f} ms ({8 * n / t_copy / 1e9:.1f} GB/s read + written)")
+    t_copy_dev = None
+    if device.type == "cuda":
+        try:
+            t_copy_dev = kernel_time(lambda: dst.copy_(x))[0]
+            print(f"the copy's device time alone: {t_copy_dev * 1e3:.3f} ms; the last four columns are the device's "
+                  "time alone (the sum of what the profiler sees it run, operations per call in brackets) and its "
+                  "ratio to that")
+        except Exception as e:
+            print(f"profiler unavailable ({type(e).__name__}: {e}); no device-only columns")
+    head = ("| spec | encode ms | × copy | decode(out=) ms | × copy | encode peak extra ÷ payload bytes "
+            "| decode(out=) peak extra ÷ input bytes | bits/coord |")
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+    if t_copy_dev:
+        head += " encode device ms (ops) | × copy | decode device ms (ops) | × copy |"
+        rule += "---:|---:|---:|---:|"
+    print("\n" + head + "\n" + rule)
     rows = []
     batch = 5 if device.type == "cuda" else 1
     failed = []
     for spec in specs or MEMORY_SPECS:
         try:
-            row = _memory_row(gradq.build(spec), x, dst, repeats, device, batch, t_copy)
+            row = _memory_row(gradq.build(spec), x, dst, repeats, device, batch, t_copy, t_copy_dev)
         except Exception as e:  # one scheme's failure must not hide the others' figures
             failed.append(spec)
             print(f"| {spec} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} |"
@@ -397,7 +448,8 @@ def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional
         import json
 
         doc = {"format": "gradq-codec-times/1", "device": device.type, "device_name": name, "n": n,
-               "input_mb": 4 * n / 1e6, "copy_ms": t_copy * 1e3, "repeats": repeats, "torch": torch.__version__,
+               "input_mb": 4 * n / 1e6, "copy_ms": t_copy * 1e3,
+               "copy_device_ms": t_copy_dev * 1e3 if t_copy_dev else None, "repeats": repeats, "torch": torch.__version__,
                "backend": K.backend_for(x), "measured": datetime.date.today().isoformat(),
                "command": "python benchmarks/bench_codecs.py " + " ".join(sys.argv[1:]), "rows": rows}
         with open(json_path, "w") as f:
