@@ -122,3 +122,57 @@ def test_l2_norm_of_finite_values_saturates_instead_of_overflowing(spec):
     assert torch.isfinite(runs).all()
     s = 1 if spec.startswith("multiscale") else 15   # the coarsest grid: MultiScale's 2-bit codes
     assert ((runs.double().mean(0) - x.double()).abs() <= 5 * (FLOAT32_MAX / s / 2) / 20).all()
+
+
+# The schemes whose payload has a field that shows a NaN/Inf input (QSGD's, MaxNorm's and
+# MultiScale's scales, the 1-bit levels, Linear's levels): they skip the up-front screen.
+WITNESS_SPECS = ["qsgd:bits=4,bucket=64", "qsgd:bits=2,bucket=7,norm=l2", "maxnorm:bits=4,bucket=64",
+                 "multiscale:bits=2+6,bucket=64", "signsgd:bucket=64", "onebit:ef=0,bucket=7",
+                 "bingrad-b:bucket=64", "bingrad-b:iters=3,bucket=7", "linear:levels=5,bucket=64",
+                 "linear:levels=3,bucket=none"]
+BAD_VALUES = [float("nan"), -float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("spec", WITNESS_SPECS)
+def test_non_finite_input_is_found_after_the_encode_on_every_backend(spec, monkeypatch):
+    """A NaN (either sign) or Inf (either sign) anywhere, first, middle or in a partial last bucket, is
+    refused by name on every backend, although these schemes look for it only in the payload; and a
+    finite input runs no separate screen (``check_finite`` replaced by a function that fails)."""
+    from gradq.errors import NonFiniteError
+    from gradq.quantizers import base
+
+    backends = ["numba", "torch"] + (["triton"] if kernels.triton_available() else [])
+    was = kernels.get_backend()
+    try:
+        for be in backends:
+            kernels.set_backend(be)
+            q = gradq.build(spec)
+            for n in (1, 100, 301):
+                for pos in sorted({0, n // 2, n - 1}):
+                    for bad in BAD_VALUES:
+                        x = _data(n, n + pos)
+                        x[pos] = bad
+                        with pytest.raises(NonFiniteError, match="'fc.w' holds (1 NaN and 0|0 NaN and 1) Inf"):
+                            q.encode(x, seed=1, name="fc.w")
+            with monkeypatch.context() as m:
+                m.setattr(base, "check_finite", _no_screen)
+                q.encode(_data(301, 5), seed=1, name="fc.w")
+    finally:
+        kernels.set_backend(was)
+
+
+def _no_screen(x, name=None):
+    raise AssertionError("the up-front screen ran")
+
+
+@pytest.mark.parametrize("spec,x", [("bingrad-pb", torch.ones(10)), ("orq", torch.ones(10)),
+                                    ("terngrad", torch.ones(10)), ("qsgd", torch.ones(10, dtype=torch.float64)),
+                                    ("maxnorm", torch.ones(10, dtype=torch.float16))])
+def test_schemes_without_a_witness_still_screen_first(spec, x, monkeypatch):
+    """Where no field is a witness (BinGrad-pb's level can clip an Inf away; ORQ and TernGrad keep the
+    screen; a float64 input can overflow to Inf in float32), the screen still runs before the encode."""
+    from gradq.quantizers import base
+
+    monkeypatch.setattr(base, "check_finite", _no_screen)
+    with pytest.raises(AssertionError, match="up-front screen"):
+        gradq.build(spec).encode(x, seed=1)

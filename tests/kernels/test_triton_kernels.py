@@ -395,10 +395,13 @@ def first_difference(a, b) -> str:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_encode_needs_no_input_sized_temporaries():
-    """Peak extra memory of a 4-bit QSGD encode: at most 1.25x the payload's bytes."""
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512,norm=l2", "maxnorm:bits=4",
+                                  "terngrad", "linear:levels=5", "signsgd", "onebit:ef=0", "bingrad-b"])
+def test_gpu_encode_needs_no_input_sized_temporaries(spec):
+    """Peak extra memory of an encode: at most 1.25x the payload's bytes (the schemes that meet it;
+    bench_codecs.py --memory --device cuda measures every scheme)."""
     x = torch.randn(1 << 24, device="cuda")
-    q = gradq.build("qsgd:bits=4,bucket=512")
+    q = gradq.build(spec)
     q.encode(x, seed=0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -407,6 +410,25 @@ def test_gpu_encode_needs_no_input_sized_temporaries():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= 1.25 * enc.nbytes, (extra, enc.nbytes)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=64", "maxnorm:bits=4,bucket=64", "multiscale:bits=2+6,bucket=64",
+                                  "signsgd:bucket=64", "onebit:ef=0,bucket=7", "bingrad-b:iters=3,bucket=64",
+                                  "linear:levels=5,bucket=64"])
+def test_gpu_non_finite_input_is_found_after_the_encode(spec):
+    """The compiled kernels run on NaN/Inf harmlessly and the payload field that these schemes read
+    instead of a separate screen shows them: every NaN or Inf, first, middle or in a partial last
+    bucket, is refused by name, as on the CPU (tests/kernels/test_dispatch.py)."""
+    q = gradq.build(spec)
+    for n in (1, 100, 301):
+        for pos in sorted({0, n // 2, n - 1}):
+            for bad in (float("nan"), -float("nan"), float("inf"), -float("inf")):
+                x = data(n, n + pos)
+                x[pos] = bad
+                with pytest.raises(NonFiniteError, match="'fc.w' holds"):
+                    q.encode(x.cuda(), seed=1, name="fc.w")
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import NonFiniteError
 from .numba_ops import RngLike, _bucket, _cpu, _nbuckets, _out, _stream, _vec, _width
 from .numba_ops import levels_encode as _round_encode
 from .reference import linear_positions
@@ -136,7 +137,7 @@ def _run(ntask: int, work: int, *args) -> int:
 
 def _check_flags(flags: int) -> None:
     if flags & 4:
-        raise ValueError("x must be finite (the level kernels do not handle NaN or infinity)")
+        raise NonFiniteError("x holds NaN or Inf (the level kernels do not handle them)")
 
 
 def _levels(x, L, bucket, mode, matrix_ok=True) -> torch.Tensor:

@@ -216,25 +216,31 @@ class Quantizer:
             NonFiniteError: ``x`` holds NaN or Inf.
             TypeError: ``x`` is not a floating-point tensor.
         """
-        late = self._scales_reveal_nonfinite(x, shared)
-        v = self._flatten(x, name, screen=not late)
+        witness = self._nonfinite_witness(x, shared)
+        v = self._flatten(x, name, screen=witness is None)
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             shared_seed = rng.child(0x5EED).seed
         ctx = self._context(v, rng, shared, shared_seed, name)
-        fields = self._encode(v, ctx)
-        # one reduction and one host read: a NaN or Inf scale makes the sum non-finite (finite scales
-        # whose sum overflows only cost the exact screen, which then passes)
-        if late and not math.isfinite(float(fields["scales"].sum())):
+        try:
+            fields = self._encode(v, ctx)
+        except NonFiniteError:  # a kernel that found NaN/Inf itself: raise the error that names x
+            if witness is not None:
+                check_finite(v, name)
+            raise
+        # one reduction of a small field and one host read: a NaN or Inf in the witness makes its sum
+        # non-finite (finite values whose sum overflows only cost the exact screen, which then passes)
+        if witness is not None and not math.isfinite(float(fields[witness].sum())):
             check_finite(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
-        """True if this scheme's encode of ``x`` (with these ``shared`` values, if any) can run on
-        non-finite data harmlessly and its ``scales`` field (a norm per bucket) is NaN/Inf whenever
-        ``x`` holds NaN/Inf: the up-front screen (one extra pass over ``x``) is then replaced by a
-        look at the scales afterwards."""
-        return False
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        """The name of a payload field that holds a NaN or Inf whenever ``x`` does, where this
+        scheme's encode of ``x`` (with these ``shared`` values, if any) runs on non-finite data
+        harmlessly on every backend; None (the default) where no field is such a witness. With a
+        witness the up-front screen (one extra pass over ``x``) is replaced by a look at that field
+        (a value per bucket) afterwards."""
+        return None
 
     def _check_shared(self, shared: Mapping[str, torch.Tensor],
                       own: Mapping[str, SharedStat]) -> dict[str, torch.Tensor]:

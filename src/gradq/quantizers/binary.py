@@ -66,6 +66,12 @@ class _OneBit(Quantizer):
 
     params: tuple = (BUCKET,)
     per_bucket = 1
+    #: the bucket's levels are means over groups that together hold every value, so a NaN or Inf in
+    #: a bucket makes one of its levels NaN or Inf (sums in float64 cannot overflow on float32 input)
+    levels_witness = True
+
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        return "levels" if self.levels_witness and x.dtype == torch.float32 else None
 
     def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         return {"codes": (torch.uint8, packed_nbytes(numel, 1)),
@@ -98,6 +104,9 @@ class BinGradPB(_OneBit):
     Spec: ``bingrad-pb:bucket=512`` (default). [reconstructed] [OptQuant]. Biased (clipping).
     Wire: 1 bit per coordinate + 1 float32 per bucket.
     """
+
+    #: its level is chosen from the sorted magnitudes and may clip an Inf away: the up-front screen stays
+    levels_witness = False
 
     def __init__(self, bucket: Optional[int] = 512) -> None:
         super().__init__(bucket=bucket)

@@ -67,11 +67,10 @@ class MaxNorm(SummableQuantizer):
         return {"codes": (torch.uint8, packed_nbytes(numel, self.width)),
                 "scales": (torch.float32, num_buckets(numel, self.bucket))}
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
         # with its own scale (no shared one given), the scales field is the bucket's max or L2 norm,
-        # NaN/Inf exactly when the bucket holds one (or, L2 only, when finite squares overflow),
-        # and every backend only does arithmetic on NaN/Inf
-        return shared is None and x.dtype == torch.float32
+        # NaN/Inf exactly when the bucket holds one, and every backend only does arithmetic on NaN/Inf
+        return "scales" if shared is None and x.dtype == torch.float32 else None
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         norms = kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales

@@ -94,9 +94,9 @@ class MultiScale(SummableQuantizer):
         layout["scales"] = (torch.float32, num_buckets(numel, self.bucket))
         return layout
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
         # the kernels only do arithmetic on NaN/Inf, and a bucket's norm is NaN/Inf when it holds one
-        return x.dtype == torch.float32
+        return "scales" if x.dtype == torch.float32 else None
 
     # -- scale indices -----------------------------------------------------------------------------
     def scale_indices(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -111,3 +111,8 @@ class Linear(_LevelQuantizer):
 
     def _encode_levels(self, v: torch.Tensor, rng: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.linear_encode(v, self.levels, self.bucket, self.width, rng)
+
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        # a bucket's first and last levels are its least and greatest values in the order of the
+        # integer keys (reference.sort_rows), where every NaN and Inf sorts to one end or the other
+        return "levels" if x.dtype == torch.float32 else None

@@ -153,10 +153,10 @@ class QSGD(Quantizer):
         if "stream" in f and f["stream"].numel() < 1:
             raise PayloadError(f"{self.name}: field 'stream' is empty (every stream holds a layout flag bit)")
 
-    def _scales_reveal_nonfinite(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> bool:
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
         # every backend only does arithmetic on NaN/Inf; a bucket's L2 or max norm is NaN/Inf
-        # exactly when the bucket holds one (or, L2 only, when finite squares overflow)
-        return self.coding == "fixed" and x.dtype == torch.float32
+        # exactly when the bucket holds one
+        return "scales" if self.coding == "fixed" and x.dtype == torch.float32 else None
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if self.coding == "fixed":
