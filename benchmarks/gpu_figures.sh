@@ -6,8 +6,12 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_figures.sh                 # every step; logs go to $OUT
 #   STEPS="tests codecs" OUT=/some/dir bash benchmarks/gpu_figures.sh   # only these steps
+#   GPU_TESTS_K="not runner" ...                                  # a -k expression for the tests step
 #
-# Steps: tests codecs nccl hook collectives integrations. Each runs under its own time limit
+# Steps: tuning codecs tests profile nccl hook collectives integrations (tuning and profile only when
+# named in STEPS). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
+# unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found;
+# `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels. Each runs under its own time limit
 # (LIMIT_<step> seconds, defaults below), cut to what is left of END seconds (whole script; a step
 # with under 30 s left is skipped), and writes $OUT/<step>.log, kept even when the step fails;
 # the script goes on and names the failed and skipped steps at the end. Runs from a checkout with PYTHONPATH=src
@@ -36,10 +40,24 @@ step() {  # step NAME DEFAULT_LIMIT COMMAND...: run if NAME is in $STEPS, log to
   $PY -c "import torch, triton, numba; print(torch.__version__, triton.__version__, numba.__version__, torch.cuda.get_device_name())"
   nproc; } >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovider \
-  tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
+step tuning 200 "$PY" benchmarks/bench_triton_tuning.py --host --budget "${TUNING_BUDGET:-150}" \
+  --json "$OUT/tuning.json" --best "$OUT/best_tuning.json"
+if [ -s "$OUT/best_tuning.json" ] && [ -z "${GRADQ_TRITON_TUNING:-}" ]; then
+  export GRADQ_TRITON_TUNING="$OUT/best_tuning.json"; echo "== the next steps run with $GRADQ_TRITON_TUNING"
+fi
 step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
   --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
+step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+  tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
+if command -v ncu >/dev/null; then
+  step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    -k "regex:_binary_stats_kernel|_linear_levels_kernel|_maxabs_uniform_encode_kernel" -c 6 "$PY" -c "
+import torch, gradq
+x = torch.randn(25_000_000, device='cuda')
+for spec in ('signsgd', 'bingrad-b', 'linear:levels=5', 'qsgd:bits=4,bucket=512'):
+    gradq.build(spec).encode(x, seed=1)
+torch.cuda.synchronize()"
+fi
 step nccl 90 "$PY" -m gradq.cli train --backend nccl --workers 1 --model mlp-wide --data mnist --epochs 1 \
   -c fp32 -c qsgd:bits=4,bucket=512 --out "${TMPDIR:-/tmp}/gradq-nccl-run"
 if command -v tc >/dev/null && [ "$(id -u)" = 0 ]; then

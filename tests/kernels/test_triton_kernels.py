@@ -120,11 +120,14 @@ def test_sigma_merge_tree(chunk, monkeypatch):
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("tail", [0, 1, 2, 3, 5, 15])
-def test_one_bit_statistics_in_triton(tail, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_bit_statistics_in_triton(tail, rows, monkeypatch):
     """The one-bit statistics of power-of-two buckets and of a partial last bucket of any width run
     in the Triton kernels (the torch reference is not called), with the reference's folds: the
     same thresholds and levels, bit for bit, for SignSGD, 1BitSGD and BinGrad-b with 0 to 3 Lloyd
-    steps. The rows include buckets of −0.0 only, of one sign only, and a constant one."""
+    steps, one or four buckets a program (``T.TUNING``). The rows include buckets of −0.0 only, of
+    one sign only, and a constant one."""
+    monkeypatch.setitem(T.TUNING, "stats_elems", 16 * rows)
     g = torch.Generator().manual_seed(tail)
     x = torch.cat([data(16 * 5, tail), -torch.zeros(16), torch.rand(16, generator=g), torch.full((16,), 0.3),
                    torch.randn(tail, generator=g) * 1e3])
@@ -446,3 +449,18 @@ def test_gpu_elias_stream_equals_the_cpu(spec, kind):
     ref = q.encode(x, seed=3)
     assert enc.same_bytes(ref), first_difference(enc, ref)
     assert same_decode(q.decode(enc).cpu(), q.decode(ref))
+
+
+def test_launch_settings_from_the_environment(tmp_path, monkeypatch):
+    """GRADQ_TRITON_TUNING names a JSON file of launch settings (what bench_triton_tuning.py --best
+    writes): known keys with powers of two replace the shipped ones; anything else is refused by name."""
+    monkeypatch.setattr(T, "TUNING", dict(T.TUNING))
+    f = tmp_path / "best.json"
+    f.write_text('{"stats_elems": 512, "stats_warps": 8}')
+    monkeypatch.setenv("GRADQ_TRITON_TUNING", str(f))
+    T._tuning_from_env()
+    assert (T.TUNING["stats_elems"], T.TUNING["stats_warps"]) == (512, 8)
+    for bad in ('{"stats_elems": 500}', '{"groups": 0}', '{"no_such_key": 4}', '{"groups": 64.0}', '[64]'):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="GRADQ_TRITON_TUNING"):
+            T._tuning_from_env()

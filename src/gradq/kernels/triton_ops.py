@@ -36,6 +36,7 @@ count per call, and TernGrad's clip bound is a host float.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -76,14 +77,58 @@ def _jit(fn):
     return triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
 
 
-_GROUPS = 128          # groups of 8 fields (or 5 trits) per program
 _FUSED_MAX = 4096      # largest power-of-two bucket the one-pass QSGD encode handles
 _ROWS = 64             # buckets per program (at most) in the max-abs pass
 
+#: Launch shapes: how much work a program takes and how many warps run it. None of them changes a
+#: result (every value's randomness is its own counter, every bucket is folded whole by one
+#: program), only the speed; ``benchmarks/bench_triton_tuning.py`` times the alternatives on a GPU
+#: (and checks that the bytes stay the same). The interpreter ignores the warps.
+#: The values are the fastest measured on an H100 (docs/performance.md, "Launch settings"): two warps
+#: a program gave the one-bit statistics 2.0–2.6× and Linear's sort 1.3× against four.
+TUNING = {
+    "groups": 64,           # groups of 8 fields (or 5 trits) a program: the element-wise encodes, decodes
+    "groups_warps": 2,
+    "fused_elems": 2048,    # values a program in the one-pass QSGD encode (whole buckets)
+    "fused_warps": 2,
+    "stats_elems": 1024,    # values a program in the one-bit statistics (whole buckets)
+    "stats_warps": 2,
+    "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
+    "sort_warps": 2,
+}
+
+
+def _tuning_from_env() -> None:
+    """``GRADQ_TRITON_TUNING=FILE``: a JSON object of ``TUNING`` entries to use instead of the
+    shipped ones (``benchmarks/bench_triton_tuning.py --best FILE`` writes one for the GPU at hand)."""
+    path = os.environ.get("GRADQ_TRITON_TUNING")
+    if not path:
+        return
+    with open(path) as f:
+        new = json.load(f)
+    if not isinstance(new, dict):
+        raise ValueError(f"GRADQ_TRITON_TUNING={path}: expected a JSON object, got {new!r}")
+    bad = {k: v for k, v in new.items() if k not in TUNING or type(v) is not int or v < 1 or v & (v - 1)}
+    if bad:
+        raise ValueError(f"GRADQ_TRITON_TUNING={path}: expected powers of two for keys of {sorted(TUNING)}, "
+                         f"got {bad!r}")
+    TUNING.update(new)
+
+
+_tuning_from_env()
+
+
+def _groups() -> int:
+    return TUNING["groups"]
+
 
 def _launch(kernel, grid, *args, **meta) -> None:
-    if not INTERPRETED:
+    if INTERPRETED:
+        meta.pop("num_warps", None)
+    else:
         meta["enable_fp_fusion"] = False  # the reference rounds every product and sum on its own
+        if "G" in meta:                   # the element-wise kernels
+            meta.setdefault("num_warps", TUNING["groups_warps"])
     kernel[grid](*args, **meta)
 
 
@@ -711,15 +756,15 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
     if fused and 8 <= d <= _FUSED_MAX and d & (d - 1) == 0 and not trits:
         sc = torch.empty(nb, dtype=torch.float32, device=xv.device)
         if n:
-            r = max(1, 1024 // d)
+            r = max(1, TUNING["fused_elems"] // d)
             _launch(_maxabs_uniform_encode_kernel, _grid(nb, r), xv, sc, packed, n, nbytes, nb, s, c, k1, k2, ctr0,
-                    W=width, BUCKET=d, R=r)
+                    W=width, BUCKET=d, R=r, num_warps=TUNING["fused_warps"])
         return packed, sc
     sc = maxabs_scales(x, bucket, clip) if fused else _vector(scales, nb, "scales", torch.float32, xv.device)
     if n:
         per = 5 if trits else 8
-        _launch(_uniform_encode_kernel, _grid(-(-n // per), _GROUPS), xv, sc, packed, n, nbytes, d, s, c, k1, k2,
-                ctr0, W=max(width, 1), TRITS=trits, G=_GROUPS)
+        _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, d, s, c, k1, k2,
+                ctr0, W=max(width, 1), TRITS=trits, G=_groups())
     return packed, sc
 
 
@@ -795,11 +840,11 @@ def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
     res = _out(out, n, torch.float32, dev)
     if n:
         per = 5 if trits else 8
-        grid = _grid(-(-n // per), _GROUPS)
+        grid = _grid(-(-n // per), _groups())
         check = trits or max_field is not None   # only where a code can be invalid
         bad = torch.zeros(grid[0], dtype=torch.int32, device=dev) if check else _constant(dev, torch.int32)
         _launch(_uniform_decode_kernel, grid, base, offs, sv, res, bad, n, nbytes, nb, d, s,
-                255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_GROUPS,
+                255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_groups(),
                 CHECK=check)
         if check:  # (a host read)
             nbad = int(bad.sum())
@@ -911,8 +956,8 @@ def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], 
     packed = _out(out, nbytes, torch.uint8, xv.device)
     k1, k2, ctr0 = _stream(rng, n)
     if n:
-        _launch(_levels_encode_kernel, _grid(-(-n // 8), _GROUPS), xv, lv, packed, n, nbytes, d, k1, k2, ctr0,
-                L=L, W=width, G=_GROUPS)
+        _launch(_levels_encode_kernel, _grid(-(-n // 8), _groups()), xv, lv, packed, n, nbytes, d, k1, k2, ctr0,
+                L=L, W=width, G=_groups())
     return packed
 
 
@@ -925,9 +970,9 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     lv, L = _level_matrix(levels, _nbuckets(n, d), data.device)
     res = _out(out, n, torch.float32, data.device)
     if n:
-        grid = _grid(-(-n // 8), _GROUPS)
+        grid = _grid(-(-n // 8), _groups())
         bad = torch.zeros(grid[0], dtype=torch.int32, device=data.device)
-        _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_GROUPS)
+        _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_groups())
         if int(bad.sum()):
             raise PayloadError(f"level index out of range [0, {L - 1}]")
     return res
@@ -965,9 +1010,9 @@ def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tenso
     levels = torch.empty(nb, L, dtype=torch.float32, device=xv.device)
     if nb:
         p = max(16, 1 << (d - 1).bit_length())
-        rows = _rows_per_program(_SORT_MAX // p, nb)
+        rows = _rows_per_program(max(1, TUNING["sort_elems"] // p), nb)
         _launch(_linear_levels_kernel, _grid(nb, rows), xv, _positions(d, n - (nb - 1) * d, L, xv.device), levels,
-                n, d, nb, L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows)
+                n, d, nb, L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows, num_warps=TUNING["sort_warps"])
     return levels
 
 
@@ -998,7 +1043,7 @@ def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional
     nbytes = (n + 7) // 8
     packed = _out(out, nbytes, torch.uint8, xv.device)
     if n:
-        _launch(_threshold_kernel, _grid(-(-n // 8), _GROUPS), xv, t, packed, n, nbytes, d, G=_GROUPS)
+        _launch(_threshold_kernel, _grid(-(-n // 8), _groups()), xv, t, packed, n, nbytes, d, G=_groups())
     return packed
 
 
@@ -1022,11 +1067,10 @@ def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int]
         raise ValueError(f"expected {nb * per} levels ({per} per bucket), got {lv.numel()}")
     res = _out(out, n, torch.float32, data.device)
     if n:
-        _launch(_bit_decode_kernel, _grid(-(-n // 8), _GROUPS), data, lv, res, n, nbytes, d, PER=per, G=_GROUPS)
+        _launch(_bit_decode_kernel, _grid(-(-n // 8), _groups()), data, lv, res, n, nbytes, d, PER=per, G=_groups())
     return res
 
 
-_STATS_ELEMS = 4096    # values per program in the one-bit statistics (whole buckets)
 
 
 def _rows_per_program(most: int, rows: int) -> int:
@@ -1050,10 +1094,10 @@ def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int
     nb = _nbuckets(n, d)
     t = torch.empty(nb, dtype=torch.float64, device=xv.device)
     lv = torch.empty(nb * per, dtype=torch.float32, device=xv.device)
-    rows = _rows_per_program(_STATS_ELEMS // d, nfull)
+    rows = _rows_per_program(max(1, TUNING["stats_elems"] // d), nfull)
     log = d.bit_length() - 1
     _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, nfull, d, MODE=mode, ITERS=iters, D=d,
-            LOG=log, ROWS=rows, TAIL=False)
+            LOG=log, ROWS=rows, TAIL=False, num_warps=TUNING["stats_warps"])
     w = n - nfull * d
     if w:   # the partial last bucket: one program, its folds through a scratch row
         scratch = torch.empty(d, dtype=torch.float64, device=xv.device)
@@ -1096,8 +1140,8 @@ def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> t
     packed = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
     k1, k2, ctr0 = _stream(rng, n)
     if n:
-        _launch(_pb_bits_kernel, _grid(-(-n // 8), _GROUPS), xv, levels, packed, n, nbytes, d, k1, k2, ctr0,
-                G=_GROUPS)
+        _launch(_pb_bits_kernel, _grid(-(-n // 8), _groups()), xv, levels, packed, n, nbytes, d, k1, k2, ctr0,
+                G=_groups())
     return packed, levels
 
 
@@ -1138,10 +1182,10 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor
     k1, k2, ctr0 = _stream(rng, n)
     if n:
         w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, xv.device)
-        grid = _grid(-(-n // 8), _GROUPS)
+        grid = _grid(-(-n // 8), _groups())
         bad = torch.zeros(grid[0], dtype=torch.int32, device=xv.device)
         _launch(_ms_encode_kernel, grid, xv, w, iv, lv, codes, codes if packed_index is None else packed_index, bad,
-                n, nbytes, ibytes, d, k1, k2, ctr0, L=lv.numel(), W=width, IW=index_width, G=_GROUPS)
+                n, nbytes, ibytes, d, k1, k2, ctr0, L=lv.numel(), W=width, IW=index_width, G=_groups())
         if int(bad.sum()):  # (a host read: the check the reference makes)
             raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
                              "coordinates; it must be the MIN over workers of the indices")
@@ -1160,10 +1204,10 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     res = _out(out, n, torch.float32, cv.device)
     if n:
         w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, cv.device)
-        grid = _grid(-(-n // 8), _GROUPS)
+        grid = _grid(-(-n // 8), _groups())
         bad = torch.zeros(grid[0], dtype=torch.int32, device=cv.device)
         _launch(_ms_decode_kernel, grid, cv, iv, w, lv, res, bad, n, nbytes, ibytes, d, L=lv.numel(), W=width,
-                IW=index_width, G=_GROUPS)
+                IW=index_width, G=_groups())
         if int(bad.sum()):
             raise PayloadError(f"multiscale: corrupt scale index (>= {lv.numel()} scales)")
     return res

@@ -1,0 +1,196 @@
+"""Launch shapes of the Triton kernels, and where the host's time goes, on a GPU.
+
+``gradq.kernels.triton_ops.TUNING`` sets how much work a program takes and how many warps run it;
+none of it changes a result, only the speed. For each group of settings this times every
+alternative on the public API (``q.encode(x, seed=…)`` of 25M float32 values, the default size
+of bench_codecs.py), after checking that the payload's bytes equal those of the shipped settings:
+
+* the device time per call (the sum of what the CUDA profiler sees the device run, as
+  ``bench_codecs.py --memory --device cuda`` reports it) and that of the kernel the setting
+  governs;
+* the best alternative per group, and a JSON file of everything (``--json``); ``--best FILE``
+  writes the best settings in the form ``GRADQ_TRITON_TUNING=FILE`` reads.
+
+``--host`` adds where the host's time goes: the wall time per call of encode and ``decode(out=)``
+(host work, launches, the encode's one host read), and a profile of the host's calls for the
+4-bit QSGD decode.
+
+    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort] [--host]
+        [--budget SECONDS] [--json FILE] [--best FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_codecs import SEED, kernel_time  # noqa: E402
+
+import gradq  # noqa: E402
+from gradq.kernels import triton_ops as T  # noqa: E402
+
+#: group -> (specs, the kernel the settings govern, alternatives)
+GROUPS = {
+    "stats": (["signsgd", "onebit:ef=0", "bingrad-b"], "_binary_stats_kernel",
+              [dict(stats_elems=e, stats_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+    "fused": (["qsgd:bits=4,bucket=512"], "_maxabs_uniform_encode_kernel",
+              [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4, 8)]),
+    "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",
+               [dict(groups=g, groups_warps=w) for g in (64, 128, 256) for w in (2, 4, 8)]),
+    "sort": (["linear:levels=5"], "_linear_levels_kernel",
+             [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (2, 4, 8)]),
+}
+
+
+def _governed(per_kernel: dict, pattern: str) -> float:
+    import re
+
+    return sum(us for name, us in per_kernel.items() if re.fullmatch(pattern, name))
+
+
+def sweep(x: torch.Tensor, group: str, shipped: dict, deadline: float = float("inf")) -> list[dict]:
+    specs, kernel, alternatives = GROUPS[group]
+    rows = []
+    for spec in specs:
+        if time.monotonic() > deadline:
+            print(f"| {group} | {spec} | out of time (--budget): not run |", flush=True)
+            continue
+        q = gradq.build(spec)
+        T.TUNING.update(shipped)
+        want = q.encode(x, seed=SEED)
+        base = None
+        for alt in alternatives:
+            T.TUNING.update(shipped)
+            T.TUNING.update(alt)
+            try:
+                got = q.encode(x, seed=SEED)
+                if not got.same_bytes(want):
+                    raise AssertionError("bytes differ from the shipped settings'")
+                seeds = itertools.count(SEED + 1)
+                total, _, per_kernel = kernel_time(lambda: q.encode(x, seed=next(seeds)))
+            except Exception as e:  # one alternative's failure (e.g. too many registers) must not stop the sweep
+                print(f"| {group} | {spec} | {alt} | failed: {type(e).__name__}: {str(e)[:100]} |", flush=True)
+                continue
+            k_us = _governed(per_kernel, kernel)
+            is_shipped = all(shipped[k] == v for k, v in alt.items())
+            row = {"group": group, "spec": spec, "settings": alt, "device_us": total * 1e6, "kernel_us": k_us,
+                   "shipped": is_shipped}
+            if is_shipped:
+                base = row
+            rows.append(row)
+            print(f"| {group} | {spec} | {alt} | {total * 1e6:.1f} | {k_us:.1f} |{' shipped' if is_shipped else ''}",
+                  flush=True)
+        if base:
+            for r in rows:
+                if r["spec"] == spec:
+                    r["vs_shipped"] = base["device_us"] / r["device_us"]
+    T.TUNING.update(shipped)
+    return rows
+
+
+def best_settings(rows: list[dict], shipped: dict) -> dict:
+    """Per group, the alternative with the least summed device time over the group's specs (only
+    alternatives that ran for every spec)."""
+    best = {}
+    for group in {r["group"] for r in rows}:
+        totals: dict = {}
+        counts: dict = {}
+        for r in rows:
+            if r["group"] == group:
+                key = json.dumps(r["settings"], sort_keys=True)
+                totals[key] = totals.get(key, 0.0) + r["device_us"]
+                counts[key] = counts.get(key, 0) + 1
+        full = max(counts.values())
+        key = min((k for k in totals if counts[k] == full), key=totals.get)
+        best.update(json.loads(key))
+        ship = json.dumps({k: shipped[k] for k in json.loads(key)}, sort_keys=True)
+        print(f"best {group}: {key}: {totals[key]:.1f} µs summed over its specs; shipped {ship}: "
+              f"{totals.get(ship, float('nan')):.1f} µs")
+    return best
+
+
+def host_table(x: torch.Tensor, specs: list[str], calls: int = 50) -> list[dict]:
+    """Wall time per call on the host (no synchronization between calls except the encode's own
+    host read), and the device time: where the wall is well above the device, the host sets the pace."""
+    out = []
+    dst = torch.empty_like(x)
+    print("\n| spec | encode wall µs | encode device µs | decode(out=) wall µs | decode device µs |")
+    print("|---|---:|---:|---:|---:|")
+    for spec in specs:
+        q = gradq.build(spec)
+        p = q.encode(x, seed=SEED)
+        q.decode(p, out=dst)
+        row = {"spec": spec}
+        for name, fn in (("encode", lambda: q.encode(x, seed=SEED)), ("decode", lambda: q.decode(p, out=dst))):
+            ts = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                ts.append((time.perf_counter() - t0) / calls)   # the host's pace: the queue drains behind it
+            torch.cuda.synchronize()
+            row[f"{name}_wall_us"] = statistics.median(ts) * 1e6
+            row[f"{name}_device_us"] = kernel_time(fn)[0] * 1e6
+        out.append(row)
+        print(f"| {spec} | {row['encode_wall_us']:.1f} | {row['encode_device_us']:.1f} | {row['decode_wall_us']:.1f} | "
+              f"{row['decode_device_us']:.1f} |", flush=True)
+    q = gradq.build("qsgd:bits=4,bucket=512")
+    p = q.encode(x, seed=SEED)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        q.decode(p, out=dst)
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    print("\nhost profile of 300 decodes of qsgd:bits=4,bucket=512 (tottime):\n" + s.getvalue())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=25_000_000)
+    ap.add_argument("--groups", nargs="*", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--host", action="store_true", help="add the host's share (wall against device, a profile)")
+    ap.add_argument("--budget", type=float, default=float("inf"),
+                    help="seconds: start no spec's sweep after this (the results so far are still written)")
+    ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--best", help="write the best settings here (the file GRADQ_TRITON_TUNING reads)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU")
+    shipped = dict(T.TUNING)
+    x = torch.randn(args.n, generator=torch.Generator().manual_seed(0)).cuda()
+    print(f"{torch.cuda.get_device_name()}, n = {args.n:,}; shipped settings {shipped}\n")
+    print("| group | spec | settings | device µs per encode | governed kernel µs |")
+    print("|---|---|---|---:|---:|")
+    rows = []
+    deadline = time.monotonic() + args.budget
+    for g in args.groups:
+        rows += sweep(x, g, shipped, deadline)
+    best = best_settings(rows, shipped) if rows else {}
+    host = host_table(x, ["qsgd:bits=4,bucket=512", "maxnorm:bits=4", "terngrad", "signsgd", "linear:levels=5"]) \
+        if args.host else []
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "n": args.n, "shipped": shipped,
+                                               "rows": rows, "best": best, "host": host}, indent=1))
+    if args.best:
+        Path(args.best).write_text(json.dumps(best, indent=1))
+        print(f"wrote {args.best}")
+
+
+if __name__ == "__main__":
+    main()
