@@ -39,7 +39,9 @@ timed in the same run (CUDA events on a GPU), and the peak extra memory of each 
 of the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each
 call). The encode's peak is given as a multiple of the payload's bytes, the decode's as a multiple
 of the input's bytes (0 = no input-sized temporary). On CUDA the bytes of every scheme are first
-checked against the CPU reference on the first million values.
+checked against the CPU reference on the first million values, and four more columns give the
+device's own time per call (the CUDA profiler's sum of the kernels, copies and fills it ran, with
+their number) and its ratio to the copy's: what the kernels cost, apart from the host's share.
 
 ``--compile`` adds the tool comparison for 4-bit QSGD encode: the same math written as one torch
 function (eager) and that function under ``torch.compile`` (inductor, CPU), with compile time reported
