@@ -15,7 +15,7 @@ of bench_codecs.py), after checking that the payload's bytes equal those of the 
 (host work, launches, the encode's one host read), and a profile of the host's calls for the
 4-bit QSGD decode.
 
-    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort] [--host]
+    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort orq] [--host]
         [--budget SECONDS] [--json FILE] [--best FILE]
 """
 
@@ -48,8 +48,10 @@ GROUPS = {
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4, 8)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",
                [dict(groups=g, groups_warps=w) for g in (64, 128, 256) for w in (2, 4, 8)]),
-    "sort": (["linear:levels=5"], "_linear_levels_kernel",
+    "sort": (["linear:levels=5", "bingrad-pb"], "_(linear_levels|pb_level)_kernel",
              [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (2, 4, 8)]),
+    "orq": (["orq:levels=5", "orq:levels=9"], "_orq_levels_kernel",
+            [dict(orq_warp_elems=e) for e in (32, 64, 128, 256, 512)]),
 }
 
 

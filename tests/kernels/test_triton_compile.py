@@ -79,6 +79,13 @@ SCRIPT = textwrap.dedent('''
         ("_linear_levels_kernel", dict(x_ptr=PF, pos_ptr=PI64, lv_ptr=PF, n=I, bucket=I, nrows=I, L=C, P=C, LOG=C,
          ROWS=C), dict(L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows), False)
         for L, p, rows in [(5, 512, 8), (3, 16, 1)]
+    ] + [
+        ("_orq_levels_kernel", dict(x_ptr=PF, lv_ptr=PF, n=I, bucket=I, L=C, LP=C, ITER=C, P=C, LOG=C),
+         dict(L=L, LP=1 << (L - 1).bit_length(), ITER=(L - 1).bit_length() - 1, P=p, LOG=p.bit_length() - 1), False)
+        for L, p in [(5, 512), (3, 16)]
+    ] + [
+        ("_pb_level_kernel", dict(x_ptr=PF, b_ptr=PF, n=I, bucket=I, nrows=I, P=C, LOG=C, ROWS=C),
+         dict(P=512, LOG=9, ROWS=2), False),
     ]
     for name, sig, consts, divides in cases:
         fn = getattr(T, name)

@@ -145,28 +145,68 @@ def test_one_bit_statistics_in_triton(tail, rows, monkeypatch):
         assert same(T.bingrad_b_encode(x, 16, k), want[f"bingrad{k}"]), k
 
 
+def _level_test_input(bucket: int) -> torch.Tensor:
+    """Per bucket size: heavy tails, zeros of both signs in one bucket, ties, a constant run (ORQ's
+    intervals without interior values take their midpoint) and a shorter last bucket."""
+    g = torch.Generator().manual_seed(bucket)
+    zeros = torch.where(torch.rand(3 * bucket, generator=g) < 0.5, 0.0, -0.0)
+    ties = torch.randint(-2, 3, (2 * bucket,), generator=g).float()
+    return torch.cat([data(4 * bucket, bucket), zeros, ties, torch.full((bucket,), -1.5),
+                      torch.randn(bucket // 3 + 1, generator=g)])
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the torch reference was called")
+
+
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("bucket", [1, 16, 100, 512])
 def test_linear_levels_in_triton(bucket, monkeypatch):
     """Linear's levels come from the Triton sort (the torch reference is not called), equal to the
     reference's bit for bit: zeros of both signs in one bucket (−0.0 sorts first), ties across the
     wanted positions, a shorter last bucket, and L = 3 … 129."""
-    g = torch.Generator().manual_seed(bucket)
-    zeros = torch.where(torch.rand(3 * bucket, generator=g) < 0.5, 0.0, -0.0)
-    ties = torch.randint(-2, 3, (2 * bucket,), generator=g).float()
-    x = torch.cat([data(4 * bucket, bucket), zeros, ties, torch.randn(bucket // 3 + 1, generator=g)])
+    x = _level_test_input(bucket)
     chunks = list(R.bucket_chunks(x, bucket))
     want = {L: torch.cat([R.linear_levels(m, L) for m in chunks]) for L in (3, 5, 17, 129)}
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the torch reference was called")
-
-    monkeypatch.setattr(R, "linear_levels", refuse)
-    monkeypatch.setattr(R, "sort_rows", refuse)
+    monkeypatch.setattr(R, "linear_levels", _refuse)
+    monkeypatch.setattr(R, "sort_rows", _refuse)
     for L, ref in want.items():
         assert same(T.linear_levels(x, L, bucket), ref), L
     with pytest.raises(ValueError, match="2\\^k"):
         T.linear_levels(x, 4, bucket)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket", [1, 2, 7, 100, 512])
+def test_orq_levels_in_triton(bucket, monkeypatch):
+    """ORQ's levels come from the Triton kernel (the torch reference is not called), equal to the
+    reference's bit for bit for L = 3 … 17 (5 and 17 for the longest buckets, which the interpreter
+    runs slowly); more levels take the reference."""
+    x = _level_test_input(bucket)
+    chunks = list(R.bucket_chunks(x, bucket))
+    want = {L: torch.cat([R.orq_levels(m, L) for m in chunks]) for L in ((5, 17) if bucket > 100 else (3, 5, 9, 17))}
+    with monkeypatch.context() as m:
+        m.setattr(R, "orq_levels", _refuse)
+        m.setattr(R, "sort_rows", _refuse)
+        for L, ref in want.items():
+            assert same(T.orq_levels(x, L, bucket), ref), L
+        with pytest.raises(AssertionError, match="reference was called"):
+            T.orq_levels(x, 33, bucket)
+    with pytest.raises(ValueError, match="2\\^k"):
+        T.orq_levels(x, 4, bucket)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket", [None, 1, 3, 16, 100, 512])
+def test_bingrad_pb_level_in_triton(bucket, monkeypatch):
+    """BinGrad-pb's level comes from the Triton kernel, equal to the reference's bit for bit, and
+    the encode's bits with it."""
+    x = _level_test_input(bucket or 64)
+    want = torch.cat([R.bingrad_pb_threshold(m) for m in R.bucket_chunks(x, bucket)])
+    encoded = R.bingrad_pb_encode(x, bucket, RandomStream(9))
+    monkeypatch.setattr(R, "bingrad_pb_threshold", _refuse)
+    assert same(T.bingrad_pb_levels(x, bucket), want)
+    assert same(T.bingrad_pb_encode(x, bucket, RandomStream(9)), encoded)
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
@@ -399,7 +439,8 @@ def first_difference(a, b) -> str:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512,norm=l2", "maxnorm:bits=4",
-                                  "terngrad", "linear:levels=5", "signsgd", "onebit:ef=0", "bingrad-b"])
+                                  "terngrad", "linear:levels=5", "orq:levels=5", "orq:levels=9", "signsgd",
+                                  "onebit:ef=0", "bingrad-b", "bingrad-pb"])
 def test_gpu_encode_needs_no_input_sized_temporaries(spec):
     """Peak extra memory of an encode: at most 1.25x the payload's bytes (the schemes that meet it;
     bench_codecs.py --memory --device cuda measures every scheme)."""

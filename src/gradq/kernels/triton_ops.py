@@ -25,8 +25,11 @@ How the kernels reproduce the reference:
   - The one-bit statistics: whole power-of-two buckets per program, summed in the reference's
     pairwise order (:func:`_fold_rows`); a partial last bucket in one more program.
   - Linear's levels: each bucket sorted in registers by its order-preserving integer keys.
-  - ORQ's levels and BinGrad-pb's level run in torch on the device, in the reference's code: they
-    take float64 running sums in sorted order. Their rounding and packing run here.
+  - ORQ's levels (up to 17) and BinGrad-pb's level: the same sort, then the reference's float64
+    running sums in sorted order (``tl.cumsum``). Under the interpreter a scan runs in order, as on
+    the CPU; on a GPU it is a parallel scan, whose sums may differ in their last bits (as torch's
+    CUDA cumsum, which these levels took before, does too). Buckets above ``_SORT_MAX`` values and
+    more ORQ levels take the reference in torch.
 
 Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
 the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
@@ -95,6 +98,7 @@ TUNING = {
     "stats_warps": 2,
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
+    "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program; not yet timed on a GPU)
 }
 
 
@@ -584,6 +588,102 @@ def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.conste
         tl.store(lv_ptr + row * L + j, v, mask=live)
 
 
+
+@_jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@_jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@_jit
+def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constexpr, ITER: tl.constexpr,
+                       P: tl.constexpr, LOG: tl.constexpr):
+    """ORQ's ``L`` levels of one bucket a program (``bucket ≤ P`` values; the last may be shorter), in
+    the operations of :func:`gradq.kernels.reference.orq_levels`: the values sorted by their
+    order-preserving integer keys, the least and greatest as the first two levels, then ``ITER``
+    rounds that split every interval at the first sorted value whose slope (a difference of float64
+    running sums) is not negative, or at the clamped midpoint where none is.
+
+    Every sorted value carries the index of its interval (``ids``, non-decreasing along the row).
+    After a round the index becomes ``2·ids + (value ≥ new level)``, which is the reference's
+    ``searchsorted(right) − 1`` against the interleaved levels: a new level lies inside its
+    interval. Segment starts and ends come from max/min scans, so the only ``[P, LP]`` work is one
+    minimum a round (the first good position of each interval). Levels are kept as bit patterns in
+    ``[LP]`` (``LP ≥ L``, a power of two) and moved with gathers, never rounded."""
+    r = tl.program_id(0).to(tl.int64)
+    start = r * bucket
+    width = tl.minimum(n - start, bucket).to(tl.int32)
+    col = tl.arange(0, P)
+    ok = col < width
+    b = tl.load(x_ptr + start + col, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.where(ok, _order_key(b), 0x7FFFFFFF)
+    srtk = _order_key(tl.reshape(_bitonic_rows(tl.reshape(key, (1, P)), 1, P, LOG), (P,)))   # float bits
+    srt = srtk.to(tl.float32, bitcast=True)
+    g64 = srt.to(tl.float64)
+    j = tl.arange(0, LP)
+    lo_bits = tl.sum(tl.where(col == 0, srtk, 0), axis=0)
+    hi_bits = tl.sum(tl.where(col == width - 1, srtk, 0), axis=0)
+    lvk = tl.where(j == 0, lo_bits, tl.where(j == 1, hi_bits, 0))      # 2 levels so far
+    ids = tl.zeros([P], dtype=tl.int32)
+    prev_col = tl.maximum(col - 1, 0)
+    next_col = tl.minimum(col + 1, P - 1)
+    for it in tl.static_range(ITER):
+        lv = lvk.to(tl.float32, bitcast=True)
+        a = tl.gather(lv, ids, 0)
+        bb = tl.gather(lv, ids + 1, 0)
+        left_terms = tl.where(ok, g64 - a.to(tl.float64), 0.0)
+        right_terms = tl.where(ok, bb.to(tl.float64) - g64, 0.0)
+        cum_l = tl.cumsum(left_terms, 0)
+        cum_r = tl.cumsum(right_terms, 0)
+        seg = tl.where(ok, ids, LP)                                    # padding: a segment of its own
+        first = (col == 0) | (seg != tl.gather(seg, prev_col, 0))
+        last = (col == P - 1) | (seg != tl.gather(seg, next_col, 0))
+        st = tl.associative_scan(tl.where(first, col, 0), 0, _max_combine)
+        en = tl.associative_scan(tl.where(last, col, P - 1), 0, _min_combine, reverse=True)
+        left = cum_l - tl.gather(cum_l - left_terms, st, 0)
+        right = tl.gather(cum_r, en, 0) - cum_r
+        good = ok & (srt > a) & (srt < bb) & (left - right >= 0)
+        split = tl.min(tl.where(good[:, None] & (ids[:, None] == j[None, :]), col[:, None], P), axis=0)
+        c_bits = tl.gather(srtk, tl.minimum(split, P - 1), 0)
+        # no split: the midpoint, halves first (no overflow), clamped into the interval
+        hi = tl.gather(lv, tl.minimum(j + 1, LP - 1), 0)
+        mid = 0.5 * lv + 0.5 * hi
+        mid = tl.where(mid > hi, hi, tl.where(mid < lv, lv, mid))
+        c_bits = tl.where(split < P, c_bits, mid.to(tl.int32, bitcast=True))
+        if it + 1 < ITER:
+            ids = 2 * ids + (srt >= tl.gather(c_bits.to(tl.float32, bitcast=True), ids, 0)).to(tl.int32)
+        # interleave: level k of the next round is old level k/2 (k even) or new level (k − 1)/2 (k odd)
+        lvk = tl.where(j % 2 == 0, tl.gather(lvk, j // 2, 0), tl.gather(c_bits, tl.maximum(j - 1, 0) // 2, 0))
+    tl.store(lv_ptr + r * L + j, lvk.to(tl.float32, bitcast=True), mask=j < L)
+
+
+@_jit
+def _pb_level_kernel(x_ptr, b_ptr, n, bucket, nrows, P: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr):
+    """BinGrad-pb's ``b`` of whole buckets (``bucket ≤ P`` values; the last may be shorter), in the
+    operations of :func:`gradq.kernels.reference.bingrad_pb_threshold`: each row's ``|x|`` sorted
+    (their bit patterns order as their values), float64 tail sums ``S_k``, the first ``k`` with
+    ``d·a_{k+1} ≥ S_k``, and ``max(S_k/d, a_k)``."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, P)
+    start = row * bucket
+    width = tl.maximum(tl.minimum(n - start, bucket), 1)
+    live = row < nrows
+    ok = live[:, None] & (col[None, :] < width[:, None])
+    bits = tl.load(x_ptr + start[:, None] + col[None, :], mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.where(ok, bits & 0x7FFFFFFF, 0x7FFFFFFF)
+    a = tl.where(ok, _bitonic_rows(key, ROWS, P, LOG).to(tl.float32, bitcast=True).to(tl.float64), 0.0)
+    tail = tl.cumsum(a, 1, reverse=True)                 # S_k = a_{k+1} + … + a_d; the padding adds +0.0
+    dd = width.to(tl.float64)
+    k = tl.sum((ok & (dd[:, None] * a < tail)).to(tl.int32), axis=1)
+    s_k = tl.sum(tl.where(col[None, :] == k[:, None], tail, 0.0), axis=1)       # 0 where k = d
+    a_k = tl.sum(tl.where(col[None, :] == k[:, None] - 1, a, 0.0), axis=1)      # 0 where k = 0
+    tl.store(b_ptr + row, tl.maximum(s_k / dd, a_k).to(tl.float32), mask=live)
+
+
 @_jit
 def _bit_decode_kernel(data_ptr, levels_ptr, out_ptr, n, nbytes, bucket, PER: tl.constexpr, G: tl.constexpr):
     grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
@@ -978,7 +1078,8 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     return res
 
 
-_SORT_MAX = 4096       # longest bucket whose Linear levels are sorted in a Triton program
+_SORT_MAX = 4096       # longest bucket sorted in a Triton program (Linear's, ORQ's and BinGrad-pb's levels)
+_ORQ_LEVELS_MAX = 17   # most ORQ levels built in a Triton program (more take the reference in torch)
 _POSITIONS: dict = {}
 
 
@@ -1016,11 +1117,31 @@ def linear_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tenso
     return levels
 
 
+def orq_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tensor:
+    """ORQ's ``(nb, L)`` levels of every bucket of ``x``, as ``reference.orq_levels`` per bucket
+    chunk: one Triton program a bucket for buckets of up to ``_SORT_MAX`` values and up to
+    ``_ORQ_LEVELS_MAX`` levels, torch otherwise (and with a Triton that lacks ``tl.gather``)."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    reference.check_level_count(L)
+    nb = _nbuckets(n, d)
+    if d > _SORT_MAX or L > _ORQ_LEVELS_MAX or not hasattr(tl, "gather"):
+        return _torch_levels(xv, L, bucket, reference.orq_levels)
+    levels = torch.empty(nb, L, dtype=torch.float32, device=xv.device)
+    if nb:
+        p = max(16, 1 << (d - 1).bit_length())
+        warps = min(32, max(1, p // TUNING["orq_warp_elems"]))
+        _launch(_orq_levels_kernel, (nb,), xv, levels, n, d, L=L, LP=1 << (L - 1).bit_length(),
+                ITER=(L - 1).bit_length() - 1, P=p, LOG=p.bit_length() - 1, num_warps=warps)
+    return levels
+
+
 def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
                out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`gradq.kernels.reference.orq_encode`: levels in torch, rounding and packing here."""
+    """As :func:`gradq.kernels.reference.orq_encode`: two passes, the levels and then the codes."""
     xv = _flat(x, "x", torch.float32)
-    levels = _torch_levels(xv, L, bucket, reference.orq_levels)
+    levels = orq_levels(xv, L, bucket)
     return levels_encode(xv, levels, bucket, width, rng, out), levels
 
 
@@ -1129,13 +1250,32 @@ def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int], iters: int = 0) -> 
     return _one_bit(x, bucket, 2, iters, lambda mat: reference.bingrad_b_stats(mat, iters))
 
 
-def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`gradq.kernels.reference.bingrad_pb_encode`: the level in torch, the bits here."""
+def bingrad_pb_levels(x: torch.Tensor, bucket: Optional[int]) -> torch.Tensor:
+    """BinGrad-pb's float32 ``b`` of every bucket of ``x``, as ``reference.bingrad_pb_threshold`` per
+    bucket chunk: whole buckets of up to ``_SORT_MAX`` values sorted in Triton programs, torch for
+    longer ones."""
     xv = _flat(x, "x", torch.float32)
     n = xv.numel()
     d = _bucket(n, bucket)
-    chunks = list(reference.bucket_chunks(xv, bucket))
-    levels = torch.cat([reference.bingrad_pb_threshold(m) for m in chunks]) if chunks else xv.new_zeros(0)
+    nb = _nbuckets(n, d)
+    if d > _SORT_MAX:
+        chunks = list(reference.bucket_chunks(xv, bucket))
+        return torch.cat([reference.bingrad_pb_threshold(m) for m in chunks]) if chunks else xv.new_zeros(0)
+    levels = torch.empty(nb, dtype=torch.float32, device=xv.device)
+    if nb:
+        p = max(16, 1 << (d - 1).bit_length())
+        rows = _rows_per_program(max(1, TUNING["sort_elems"] // p), nb)
+        _launch(_pb_level_kernel, _grid(nb, rows), xv, levels, n, d, nb, P=p, LOG=p.bit_length() - 1, ROWS=rows,
+                num_warps=TUNING["sort_warps"])
+    return levels
+
+
+def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int], rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.bingrad_pb_encode`: two passes, the level and then the bits."""
+    xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    levels = bingrad_pb_levels(xv, bucket)
     nbytes = (n + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
     k1, k2, ctr0 = _stream(rng, n)
