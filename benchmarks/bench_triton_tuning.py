@@ -15,7 +15,7 @@ of bench_codecs.py), after checking that the payload's bytes equal those of the 
 (host work, launches, the encode's one host read), and a profile of the host's calls for the
 4-bit QSGD decode.
 
-    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort orq] [--host]
+    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort orq elias] [--host]
         [--budget SECONDS] [--json FILE] [--best FILE]
 """
 
@@ -52,6 +52,8 @@ GROUPS = {
              [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (2, 4, 8)]),
     "orq": (["orq:levels=5", "orq:levels=9"], "_orq_levels_kernel",
             [dict(orq_warp_elems=e) for e in (32, 64, 128, 256, 512)]),
+    "elias": (["qsgd:bits=4,coding=elias", "qsgd:bits=8,coding=elias"], "_elias_\\w+_kernel",
+              [dict(elias_warps=w) for w in (2, 4, 8, 16)]),
 }
 
 

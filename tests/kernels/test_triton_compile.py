@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from gradq.kernels import triton_ops as T
+    from gradq.kernels import triton_elias as E
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -86,9 +87,20 @@ SCRIPT = textwrap.dedent('''
     ] + [
         ("_pb_level_kernel", dict(x_ptr=PF, b_ptr=PF, n=I, bucket=I, nrows=I, P=C, LOG=C, ROWS=C),
          dict(P=512, LOG=9, ROWS=2), False),
+        ("_elias_count_kernel", dict(f_ptr=P8, sl_ptr=P32, dl_ptr=P32, ol_ptr=P32, stats_ptr=PI64, n=I, s="i32",
+         BLOCK=C, SMALL=C), dict(BLOCK=E.BLOCK, SMALL=4096), False),
+    ] + [
+        ("_elias_blocks_kernel", dict(stats_ptr=PI64, ol_ptr=P32, pre_ptr=PI64, totals_ptr=PI64, nblk=I, TILE=C,
+         SMALL=C), dict(TILE=E._TILE, SMALL=4096), False),
+    ] + [
+        ("_elias_write_kernel", dict(f_ptr=P8, sc_ptr=PI64, sl_ptr=P32, dc_ptr=PI64, dl_ptr=P32, oc_ptr=PI64,
+         ol_ptr=P32, pre_ptr=PI64, words_ptr=P32, index_ptr=PI64, n=I, s="i32", base=I, h0="i32", h1="i32",
+         SPARSE=C, BLOCK=C, SMALL=C, PER_CHUNK=C),
+         dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=4096, PER_CHUNK=E.CHUNK // E.BLOCK), False)
+        for sparse in (True, False)
     ]
     for name, sig, consts, divides in cases:
-        fn = getattr(T, name)
+        fn = getattr(T, name, None) or getattr(E, name)
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -113,8 +125,9 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("triton's ptxas is not available here")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from gradq.kernels import triton_ops as T   # (here: triton may be missing, and the test is then skipped)
+    from gradq.kernels import triton_elias as E   # (here: triton may be missing, and the test is then skipped)
+    from gradq.kernels import triton_ops as T
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for name in vars(T) if name.endswith("_kernel")}
-    assert compiled == kernels, ("every kernel of triton_ops must be compiled here", kernels - compiled)
+    kernels = {name for mod in (T, E) for name in vars(mod) if name.endswith("_kernel")}
+    assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)

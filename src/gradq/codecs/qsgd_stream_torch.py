@@ -1,4 +1,8 @@
-"""Elias streams of QSGD fields built with tensor operations, on the fields' own device (a GPU).
+"""Elias streams of QSGD fields built with tensor operations, on the fields' own device.
+
+The Triton backend (CUDA tensors) has a builder of its own that reads the fields twice and allocates
+nothing of the input's size (:mod:`gradq.kernels.triton_elias`); this one serves the devices
+without it (``GRADQ_KERNELS=torch``) and is the tensor-level statement of the parallel layout.
 
 The bytes are :func:`gradq.codecs.qsgd_stream.encode_fields_stream`'s. The stream is assembled in
 parallel instead of by a bit-serial writer:

@@ -46,7 +46,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset"]
+           "multiscale_decode", "random_subset", "elias_fields_stream"]
 
 RngLike = Union[RandomStream, int]
 
@@ -376,3 +376,24 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     On the CPU a numba selection; elsewhere the reference (torch's ``topk`` on the device)."""
     b = backend_for(torch.empty(0, device=device))
     return (numba_ops if b == "numba" else reference).random_subset(n, k, seed, device)
+
+
+def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The Elias stream of QSGD codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) and its chunk
+    index, on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`
+    (``layout``: ``auto``, ``sparse`` or ``dense``). CPU tensors take that serial writer (numba);
+    the Triton backend builds it in two passes over the fields
+    (:mod:`gradq.kernels.triton_elias`); other devices take tensor operations
+    (:mod:`gradq.codecs.qsgd_stream_torch`)."""
+    b = "torch" if fields.numel() == 0 else backend_for(fields)
+    if b == "triton" and all(hasattr(_triton().tl, op) for op in ("histogram", "gather")):
+        from . import triton_elias
+
+        return triton_elias.encode_fields_stream(fields, s, layout)
+    if fields.device.type == "cpu":
+        from ..codecs.qsgd_stream import encode_fields_stream  # numba-compiled; loaded on first use
+
+        return encode_fields_stream(fields, s, layout, index=True)
+    from ..codecs.qsgd_stream_torch import encode_fields_stream_torch
+
+    return encode_fields_stream_torch(fields, s, layout, index=True)

@@ -71,7 +71,7 @@ from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _widt
 #: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
-VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w")
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base")
 
 
 def _jit(fn):
@@ -99,6 +99,7 @@ TUNING = {
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program; not yet timed on a GPU)
+    "elias_warps": 8,       # the Elias stream's passes (gradq.kernels.triton_elias; not yet timed; 4 spilled)
 }
 
 

@@ -170,7 +170,6 @@ class QSGD(Quantizer):
             # the codes as uint8 fields c + s from the fixed-width kernels (the same randomness),
             # streamed without widening them: no input-sized temporaries
             from ..codecs.qsgd_chunks import field_buffer
-            from ..codecs.qsgd_stream import encode_fields_stream  # numba-compiled; loaded on first use
 
             # on the CPU the fields go to this thread's buffer: they live only until they are streamed
             out = field_buffer(v.numel()) if v.device.type == "cpu" else None
@@ -179,12 +178,8 @@ class QSGD(Quantizer):
             else:
                 scales = kernels.l2_scales(v, self.bucket)
                 fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng, out=out)
-            if fields.device.type == "cpu":
-                stream, index = encode_fields_stream(fields, self.s, _LAYOUT[self.coding], index=True)
-            else:  # built on the device by tensor operations (the same bytes): the codes stay there
-                from ..codecs.qsgd_stream_torch import encode_fields_stream_torch
-
-                stream, index = encode_fields_stream_torch(fields, self.s, _LAYOUT[self.coding], index=True)
+            # built where the fields are (the same bytes on every backend): the codes stay on the device
+            stream, index = kernels.elias_fields_stream(fields, self.s, _LAYOUT[self.coding])
             return self._stream_payload(stream, index, scales, v.device)
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)

@@ -1,0 +1,303 @@
+"""Elias streams of QSGD fields built by Triton kernels: the GPU path of Elias-coded QSGD.
+
+The bytes and the chunk index are :func:`gradq.codecs.qsgd_stream.encode_fields_stream`'s (the serial
+writer, the specification), as :func:`gradq.codecs.qsgd_stream_torch.encode_fields_stream_torch`
+builds them with tensor operations. That version moves several int64 tensors of the input's length
+through memory. Here the fields are read twice and nothing of the input's size is allocated:
+
+1. **Count** (one program a block of ``BLOCK`` fields): the block's dense bits, nonzeros, sparse
+   bits but for its first gap, and its first and last nonzero positions; any field above ``2s``.
+2. **Blocks** (one program over the blocks' counts): each block's first gap from the last nonzero
+   before it, and every block's first bit in either layout (prefix sums); the totals, which the
+   host reads once to size the stream and pick the layout as the serial writer does.
+3. **Write** (one program a block): each item's code (a sparse item is its gap's omega code and
+   the sign + magnitude code; a dense one the table's code), its bit offset from an exclusive scan
+   of the lengths, and its parts in the up to three 32-bit words it touches. Codes share no bit,
+   so a word is the sum of its parts: a run of parts bound for one word is added with two atomic
+   adds (a difference of running sums), not one per code. The words are stored byte-swapped, so
+   that memory holds the stream's big-endian bytes. A block that starts a chunk of 2**18 values
+   writes the chunk's row of the index (:mod:`gradq.codecs.qsgd_chunks`).
+
+Only sums and histograms run along a block (no scans with operators of their own, which the
+interpreter runs element by element): a gap is the number of lanes that share a running count of
+nonzeros.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..codecs.elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
+from ..codecs.qsgd_fields import _CHUNK as CHUNK
+from ..codecs.qsgd_fields import field_tables
+from . import triton_ops as _T
+from .triton_ops import _jit, tl
+
+__all__ = ["encode_fields_stream"]
+
+#: fields a program, in both passes (a power of two that divides the chunk length)
+BLOCK = 1024
+assert CHUNK % BLOCK == 0
+#: blocks a step of the one-program pass over the blocks' counts
+_TILE = 128
+
+
+@lru_cache(maxsize=None)
+def _tables(s: int, device: str) -> tuple[torch.Tensor, ...]:
+    """``(sparse code, sparse bits, dense code, dense bits)`` per field and the omega table, on device."""
+    dev = torch.device(device)
+    sc, sl, dc, dl = (torch.from_numpy(t).to(dev) for t in field_tables(s))
+    return sc, sl.to(torch.int32), dc, dl.to(torch.int32), torch.from_numpy(_OMEGA_CODE).to(dev), \
+        torch.from_numpy(_OMEGA_LEN).to(dev, torch.int32)
+
+
+# == device helpers ===============================================================================
+@_jit
+def _bit_length(k):
+    """Binary digits of ``1 ≤ k < 2**53`` (int64), read off the exponent of ``float64(k)`` (exact)."""
+    e = (k.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF
+    return e - 1022
+
+
+@_jit
+def _omega_len(k, ol_ptr, SMALL: tl.constexpr):
+    """Omega code lengths of ``1 ≤ k < 2**31`` (int64; lanes where ``k < 1`` give garbage, unread)."""
+    small = k < SMALL
+    b = _bit_length(tl.maximum(k, 1))
+    head = tl.load(ol_ptr + tl.minimum(tl.maximum(b - 1, 0), SMALL - 1)).to(tl.int64) - 1
+    return tl.where(small, tl.load(ol_ptr + tl.where(small, k, 0)).to(tl.int64), head + b + 1)
+
+
+@_jit
+def _omega_code(k, oc_ptr, ol_ptr, SMALL: tl.constexpr):
+    """Omega codes (right-aligned int64) of ``1 ≤ k < 2**31``: the table below ``SMALL``, else
+    ``omega(b − 1)`` without its final 0, the ``b`` bits of ``k``, then 0 (``b`` = bit length)."""
+    small = k < SMALL
+    b = _bit_length(tl.maximum(k, 1))
+    head = tl.load(oc_ptr + tl.minimum(tl.maximum(b - 1, 0), SMALL - 1)) >> 1
+    return tl.where(small, tl.load(oc_ptr + tl.where(small, k, 0)), (head << (b + 1)) | (k << 1))
+
+
+@_jit
+def _bswap32(v):
+    return ((v & 0xFF) << 24) | (((v >> 8) & 0xFF) << 16) | (((v >> 16) & 0xFF) << 8) | ((v >> 24) & 0xFF)
+
+
+@_jit
+def _write_words(words_ptr, code, length, offset, col, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """Add every code (``length ≤ 63`` bits, most significant first at bit ``offset`` of the stream;
+    offsets non-decreasing along ``col``; length 0 for lanes without a code) into the byte-swapped
+    32-bit words it touches.
+
+    Codes never share a bit, so a word's OR is its sum, and the parts bound for one word (a run of
+    lanes with the same word) add up as a difference of running sums: the run's last lane adds the
+    running sum, its first lane subtracts the sum before it. Two atomic adds a word and part, in
+    int32 arithmetic that wraps, which is exact modulo 2**32."""
+    w0 = offset >> 5
+    total = (offset & 31) + length
+    nxt = tl.minimum(col + 1, BLOCK - 1)
+    prv = tl.maximum(col - 1, 0)
+    for j in tl.static_range(PARTS):
+        d = total - 32 - 32 * j                           # shift right by d (d ≥ 0) or left by −d
+        right = (code >> tl.minimum(tl.maximum(d, 0), 63)) & 0xFFFFFFFF
+        left = (code << tl.minimum(tl.maximum(-d, 0), 63)) & 0xFFFFFFFF
+        part = _bswap32(tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0))
+        run = tl.cumsum(part, 0)                          # int64: at most 2**42
+        key = w0 + j
+        last = (col == BLOCK - 1) | (key != tl.gather(key, nxt, 0))
+        first = (col == 0) | (key != tl.gather(key, prv, 0))
+        add = (tl.where(last, run, 0) - tl.where(first, run - part, 0)).to(tl.int32)
+        on = add != 0
+        tl.atomic_add(words_ptr + tl.where(on, key, 0), add, mask=on)
+
+
+@_jit
+def _gaps(nz, col, pos, before, BLOCK: tl.constexpr):
+    """Per nonzero lane, the distance to the nonzero before it; for the block's first, to position
+    ``before`` (the last nonzero of earlier blocks, −1: none); 1 elsewhere. The lanes whose running
+    count of nonzeros is ``r − 1`` are exactly those from the ``(r − 1)``-th nonzero up to the
+    ``r``-th, so a histogram of the counts gives every gap."""
+    rank = tl.cumsum(nz.to(tl.int32), 0)
+    runs = tl.histogram(rank, 2 * BLOCK)
+    gap = tl.gather(runs, tl.maximum(rank - 1, 0), 0).to(tl.int64)
+    return tl.where(nz, tl.where(rank == 1, pos - before, gap), 1)
+
+
+# == kernels ======================================================================================
+@_jit
+def _elias_count_kernel(f_ptr, sl_ptr, dl_ptr, ol_ptr, stats_ptr, n, s, BLOCK: tl.constexpr,
+                        SMALL: tl.constexpr):
+    """Per block, six int64 at ``stats_ptr + 6·block``: dense bits, nonzeros, sparse bits without the
+    first gap, first and last nonzero position (−1: none), fields above ``2s``."""
+    blk = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    pos = blk * BLOCK + col
+    ok = pos < n
+    f = tl.load(f_ptr + pos, mask=ok, other=0).to(tl.int32)
+    bad = ok & (f > 2 * s)
+    fs = tl.where(ok & ~bad, f, s)                       # (a bad field makes the call fail: read as zero)
+    nz = fs != s
+    first = tl.min(tl.where(nz, pos, n), axis=0)
+    gap_len = _omega_len(_gaps(nz, col, pos, first - 1, BLOCK), ol_ptr, SMALL)   # (the first: unused)
+    dense = tl.sum(tl.where(ok, tl.load(dl_ptr + fs), 0).to(tl.int64), axis=0)
+    rest = tl.sum(tl.where(nz, tl.load(sl_ptr + fs).to(tl.int64) + tl.where(pos > first, gap_len, 0), 0), axis=0)
+    last = tl.max(tl.where(nz, pos, -1), axis=0)
+    out = stats_ptr + 6 * blk
+    tl.store(out, dense)
+    tl.store(out + 1, tl.sum(nz.to(tl.int64), axis=0))
+    tl.store(out + 2, rest)
+    tl.store(out + 3, tl.where(first < n, first, -1))
+    tl.store(out + 4, last)
+    tl.store(out + 5, tl.sum(bad.to(tl.int64), axis=0))
+
+
+@_jit
+def _elias_blocks_kernel(stats_ptr, ol_ptr, pre_ptr, totals_ptr, nblk, TILE: tl.constexpr, SMALL: tl.constexpr):
+    """One program over the blocks' counts, in tiles: per block, four int64 at ``pre_ptr + 4·block``
+    (its first bit in a sparse and in a dense stream, not counting the flag and header; its nonzeros
+    before it; the last nonzero before it, −1: none), and at ``totals_ptr`` the fields above ``2s``,
+    the nonzeros and the sparse and dense bits of all blocks. A block's first gap is counted here,
+    from the last nonzero before it (a maximum over the earlier blocks of the tile: a ``[TILE,
+    TILE]`` step, not a scan)."""
+    i = tl.arange(0, TILE)
+    last_before = tl.full((), -1, tl.int64)
+    sparse_run = tl.full((), 0, tl.int64)
+    dense_run = tl.full((), 0, tl.int64)
+    nnz_run = tl.full((), 0, tl.int64)
+    bad = tl.full((), 0, tl.int64)
+    t = tl.full((), 0, tl.int64)
+    while t < nblk:      # (a while loop: the interpreter cannot take a range over a kernel argument)
+        b = t + i
+        ok = b < nblk
+        row = stats_ptr + 6 * b.to(tl.int64)
+        dense = tl.load(row, mask=ok, other=0)
+        nnz = tl.load(row + 1, mask=ok, other=0)
+        rest = tl.load(row + 2, mask=ok, other=0)
+        first = tl.load(row + 3, mask=ok, other=-1)
+        last = tl.load(row + 4, mask=ok, other=-1)
+        bad += tl.sum(tl.load(row + 5, mask=ok, other=0), axis=0)
+        earlier = tl.max(tl.where(i[None, :] < i[:, None], last[None, :], -1), axis=1)
+        before = tl.maximum(earlier, last_before)
+        has = nnz > 0
+        sparse = rest + tl.where(has, _omega_len(tl.where(has, first - before, 1), ol_ptr, SMALL), 0)
+        out = pre_ptr + 4 * b.to(tl.int64)
+        tl.store(out, sparse_run + tl.cumsum(sparse, 0) - sparse, mask=ok)
+        tl.store(out + 1, dense_run + tl.cumsum(dense, 0) - dense, mask=ok)
+        tl.store(out + 2, nnz_run + tl.cumsum(nnz, 0) - nnz, mask=ok)
+        tl.store(out + 3, before, mask=ok)
+        last_before = tl.maximum(last_before, tl.max(last, axis=0))
+        sparse_run += tl.sum(sparse, axis=0)
+        dense_run += tl.sum(dense, axis=0)
+        nnz_run += tl.sum(nnz, axis=0)
+        t += TILE
+    tl.store(totals_ptr, bad)
+    tl.store(totals_ptr + 1, nnz_run)
+    tl.store(totals_ptr + 2, sparse_run)
+    tl.store(totals_ptr + 3, dense_run)
+
+
+@_jit
+def _elias_write_kernel(f_ptr, sc_ptr, sl_ptr, dc_ptr, dl_ptr, oc_ptr, ol_ptr, pre_ptr, words_ptr, index_ptr, n, s,
+                        base, h0, h1, SPARSE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr,
+                        PER_CHUNK: tl.constexpr):
+    """The block's items into ``words_ptr`` (zeroed int32, byte-swapped), from bit ``base`` plus the
+    block's own (``pre_ptr``, :func:`_elias_blocks_kernel`). Program 0 also adds the first two words
+    of the flag and header (``h0``, ``h1``); a block that starts a chunk (``PER_CHUNK`` blocks a
+    chunk) writes the chunk's row of the index."""
+    blk = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    pos = blk * BLOCK + col
+    ok = pos < n
+    f = tl.load(f_ptr + pos, mask=ok, other=0).to(tl.int32)
+    fs = tl.where(ok, f, s)
+    pre = pre_ptr + 4 * blk
+    if SPARSE:
+        bit0 = base + tl.load(pre)
+        before = tl.load(pre + 3)
+        nz = fs != s
+        gap = _gaps(nz, col, pos, before, BLOCK)
+        glen = _omega_len(gap, ol_ptr, SMALL)
+        mlen = tl.load(sl_ptr + fs).to(tl.int64)
+        length = tl.where(nz, glen + mlen, 0)
+        code = (_omega_code(gap, oc_ptr, ol_ptr, SMALL) << mlen) | tl.load(sc_ptr + fs)
+        offset = bit0 + tl.cumsum(length, 0) - length
+        _write_words(words_ptr, code, length, offset, col, BLOCK, 3)    # items of up to 56 bits
+        row = (bit0, tl.load(pre + 2), before + 1)
+    else:
+        bit0 = base + tl.load(pre + 1)
+        length = tl.where(ok, tl.load(dl_ptr + fs).to(tl.int64), 0)
+        offset = bit0 + tl.cumsum(length, 0) - length
+        _write_words(words_ptr, tl.load(dc_ptr + fs), length, offset, col, BLOCK, 2)   # up to 15 bits
+        row = (bit0, blk * BLOCK, blk * BLOCK)
+    if blk == 0:
+        tl.atomic_add(words_ptr, h0)
+        tl.atomic_add(words_ptr + 1, h1)
+    elif blk % PER_CHUNK == 0:
+        at = index_ptr + 3 * (blk // PER_CHUNK - 1)
+        tl.store(at, row[0])
+        tl.store(at + 1, row[1])
+        tl.store(at + 2, row[2])
+
+
+# == host =========================================================================================
+def _header(nnz: int) -> tuple[int, int]:
+    """Omega code and length of ``nnz + 1`` (the sparse stream's header)."""
+    k = nnz + 1
+    if k < _SMALL:
+        return int(_OMEGA_CODE[k]), int(_OMEGA_LEN[k])
+    b = k.bit_length()
+    return ((int(_OMEGA_CODE[b - 1]) >> 1) << (b + 1)) | (k << 1), int(_OMEGA_LEN[b - 1]) - 1 + b + 1
+
+
+def _first_words(value: int, length: int) -> tuple[int, int]:
+    """Words 0 and 1 (byte-swapped int32) of a stream that starts with ``length ≤ 63`` bits ``value``."""
+    bits = value << (64 - length)
+    w = [(bits >> 32) & 0xFFFFFFFF, bits & 0xFFFFFFFF]
+    sw = [int.from_bytes(x.to_bytes(4, "big"), "little") for x in w]
+    return tuple(x - (1 << 32) if x >= 1 << 31 else x for x in sw)
+
+
+def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stream, chunk index)`` of the codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) on the
+    fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream` with
+    ``index=True``."""
+    if layout not in ("auto", "sparse", "dense"):
+        raise ValueError(f"layout={layout!r} is not valid; expected one of auto, sparse, dense")
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
+        raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
+    if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
+        raise TypeError("fields must be a uint8 tensor")
+    dev = fields.device
+    f = fields.reshape(-1)
+    n = f.numel()
+    if n >= 1 << 31:
+        raise ValueError(f"at most 2**31 - 1 values a stream, got {n}")
+    sc, sl, dc, dl, oc, ol = _tables(s, str(dev))
+    nblk = -(-n // BLOCK)
+    stats = torch.empty((nblk, 6), dtype=torch.int64, device=dev)
+    pre = torch.empty((nblk, 4), dtype=torch.int64, device=dev)
+    totals = torch.zeros(4, dtype=torch.int64, device=dev)
+    if nblk:
+        _T._launch(_elias_count_kernel, (nblk,), f, sl, dl, ol, stats, n, s, BLOCK=BLOCK, SMALL=_SMALL,
+                   num_warps=_T.TUNING["elias_warps"])
+        _T._launch(_elias_blocks_kernel, (1,), stats, ol, pre, totals, nblk, TILE=_TILE, SMALL=_SMALL,
+                   num_warps=_T.TUNING["elias_warps"])
+    bad, nnz, sparse_sum, dense_sum = totals.tolist()   # the one host read
+    if bad:
+        raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
+    hcode, hlen = _header(nnz)
+    sparse_bits, dense_bits = 1 + hlen + sparse_sum, 1 + dense_sum
+    sparse = layout == "sparse" or (layout == "auto" and sparse_bits <= dense_bits)
+    nbits = sparse_bits if sparse else dense_bits
+    words = torch.zeros((nbits + 31) // 32 + 3, dtype=torch.int32, device=dev)
+    h0, h1 = _first_words(hcode, 1 + hlen) if sparse else _first_words(1, 1)
+    index = torch.empty((max(0, -(-n // CHUNK) - 1), 3), dtype=torch.int64, device=dev)
+    if nblk:
+        _T._launch(_elias_write_kernel, (nblk,), f, sc, sl, dc, dl, oc, ol, pre, words, index, n, s,
+                   1 + hlen if sparse else 1, h0, h1, SPARSE=sparse, BLOCK=BLOCK, SMALL=_SMALL,
+                   PER_CHUNK=CHUNK // BLOCK, num_warps=_T.TUNING["elias_warps"])
+    else:
+        words[:2] = torch.tensor([h0, h1], dtype=torch.int32)
+    return words.view(torch.uint8)[: (nbits + 7) // 8], index.reshape(-1)
