@@ -180,11 +180,10 @@ def test_linear_levels_in_triton(bucket, monkeypatch):
 @pytest.mark.parametrize("bucket", [1, 2, 7, 100, 512])
 def test_orq_levels_in_triton(bucket, monkeypatch):
     """ORQ's levels come from the Triton kernel (the torch reference is not called), equal to the
-    reference's bit for bit for L = 3 … 17 (5 and 17 for the longest buckets, which the interpreter
-    runs slowly); more levels take the reference."""
+    reference's bit for bit for L = 3 … 17; more levels take the reference."""
     x = _level_test_input(bucket)
     chunks = list(R.bucket_chunks(x, bucket))
-    want = {L: torch.cat([R.orq_levels(m, L) for m in chunks]) for L in ((5, 17) if bucket > 100 else (3, 5, 9, 17))}
+    want = {L: torch.cat([R.orq_levels(m, L) for m in chunks]) for L in (3, 5, 9, 17)}
     with monkeypatch.context() as m:
         m.setattr(R, "orq_levels", _refuse)
         m.setattr(R, "sort_rows", _refuse)

@@ -591,16 +591,6 @@ def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.conste
 
 
 @_jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@_jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
-
-
-@_jit
 def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constexpr, ITER: tl.constexpr,
                        P: tl.constexpr, LOG: tl.constexpr):
     """ORQ's ``L`` levels of one bucket a program (``bucket ≤ P`` values; the last may be shorter), in
@@ -612,7 +602,8 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constex
     Every sorted value carries the index of its interval (``ids``, non-decreasing along the row).
     After a round the index becomes ``2·ids + (value ≥ new level)``, which is the reference's
     ``searchsorted(right) − 1`` against the interleaved levels: a new level lies inside its
-    interval. Segment starts and ends come from max/min scans, so the only ``[P, LP]`` work is one
+    interval. Segment starts and ends come from a histogram of the indices (no scan with an operator
+    of its own, which the interpreter runs element by element), so the only ``[P, LP]`` work is one
     minimum a round (the first good position of each interval). Levels are kept as bit patterns in
     ``[LP]`` (``LP ≥ L``, a power of two) and moved with gathers, never rounded."""
     r = tl.program_id(0).to(tl.int64)
@@ -630,8 +621,6 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constex
     hi_bits = tl.sum(tl.where(col == width - 1, srtk, 0), axis=0)
     lvk = tl.where(j == 0, lo_bits, tl.where(j == 1, hi_bits, 0))      # 2 levels so far
     ids = tl.zeros([P], dtype=tl.int32)
-    prev_col = tl.maximum(col - 1, 0)
-    next_col = tl.minimum(col + 1, P - 1)
     for it in tl.static_range(ITER):
         lv = lvk.to(tl.float32, bitcast=True)
         a = tl.gather(lv, ids, 0)
@@ -640,11 +629,12 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constex
         right_terms = tl.where(ok, bb.to(tl.float64) - g64, 0.0)
         cum_l = tl.cumsum(left_terms, 0)
         cum_r = tl.cumsum(right_terms, 0)
-        seg = tl.where(ok, ids, LP)                                    # padding: a segment of its own
-        first = (col == 0) | (seg != tl.gather(seg, prev_col, 0))
-        last = (col == P - 1) | (seg != tl.gather(seg, next_col, 0))
-        st = tl.associative_scan(tl.where(first, col, 0), 0, _max_combine)
-        en = tl.associative_scan(tl.where(last, col, P - 1), 0, _min_combine, reverse=True)
+        # each value's segment (its interval's values, consecutive along the row): where it starts and
+        # ends, from a histogram of the interval indices (the padding counts as one more interval)
+        seg = tl.where(ok, ids, LP)
+        cnt = tl.histogram(seg, 2 * LP)
+        st = tl.gather(tl.cumsum(cnt, 0) - cnt, seg, 0)
+        en = st + tl.gather(cnt, seg, 0) - 1
         left = cum_l - tl.gather(cum_l - left_terms, st, 0)
         right = tl.gather(cum_r, en, 0) - cum_r
         good = ok & (srt > a) & (srt < bb) & (left - right >= 0)
