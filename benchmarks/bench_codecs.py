@@ -404,7 +404,7 @@ def _memory_row(q, x: torch.Tensor, dst: torch.Tensor, repeats: int, device: tor
 
 
 def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional[str] = None,
-                 specs: Optional[list[str]] = None) -> None:
+                 specs: Optional[list[str]] = None, batch: Optional[int] = None) -> None:
     """Encode / decode(out=) ÷ a device copy, and their peak extra memory, per scheme; with ``json_path``
     also the measured times as JSON, the file ``gradq perfmodel --codec-times`` reads."""
     import gradq
@@ -434,7 +434,8 @@ def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional
         rule += "---:|---:|---:|---:|"
     print("\n" + head + "\n" + rule)
     rows = []
-    batch = 5 if device.type == "cuda" else 1
+    if batch is None:   # on a GPU the host queues the next call while the device runs the last
+        batch = 5 if device.type == "cuda" else 1
     failed = []
     for spec in specs or MEMORY_SPECS:
         try:
@@ -474,6 +475,8 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true",
                     help="only the table of encode/decode ratios and peak memory per scheme (see the docstring)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda, for --memory")
+    ap.add_argument("--batch", type=int, help="--memory: calls issued back to back per timing (default 5 on a GPU, "
+                    "where a larger batch hides more of the host's time per call, 1 on the CPU)")
     ap.add_argument("--json", metavar="FILE", help="--memory: also write the measured times as JSON (the file "
                                                    "`gradq perfmodel --codec-times FILE` reads)")
     ap.add_argument("--spec", action="append", help="--memory: time this spec (repeatable; default: the list "
@@ -483,7 +486,7 @@ def main() -> None:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise SystemExit("--device cuda: no GPU here")
-        memory_table(args.n, args.repeats, device, args.json, args.spec)
+        memory_table(args.n, args.repeats, device, args.json, args.spec, args.batch)
         return
     if not K.available():
         raise SystemExit("gradq.kernels is not available (numba missing or GRADQ_KERNELS=0)")

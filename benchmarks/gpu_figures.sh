@@ -8,8 +8,9 @@
 #   STEPS="tests codecs" OUT=/some/dir bash benchmarks/gpu_figures.sh   # only these steps
 #   GPU_TESTS_K="not runner" ...                                  # a -k expression for the tests step
 #
-# Steps: tuning codecs tests profile nccl hook collectives integrations (tuning and profile only when
-# named in STEPS). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
+# Steps: tuning codecs codecs50 tests profile nccl hook collectives integrations (tuning, codecs50 and
+# profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
+# which shows the device-bound figure where codecs' batches of 5 include the host's time). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
 # unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found;
 # `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels. Each runs under its own time limit
 # (LIMIT_<step> seconds, defaults below), cut to what is left of END seconds (whole script; a step
@@ -47,14 +48,18 @@ if [ -s "$OUT/best_tuning.json" ] && [ -z "${GRADQ_TRITON_TUNING:-}" ]; then
 fi
 step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
   --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
+step codecs50 90 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 5 --batch 50 \
+  --spec qsgd:bits=4,bucket=512 --spec signsgd --spec orq:levels=5 --spec qsgd:bits=4,coding=elias   # the device-bound figure
 step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
   tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
 if command -v ncu >/dev/null; then
   step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    -k "regex:_binary_stats_kernel|_linear_levels_kernel|_maxabs_uniform_encode_kernel" -c 6 "$PY" -c "
+    -k "regex:_binary_stats_kernel|_linear_levels_kernel|_maxabs_uniform_encode_kernel|_orq_levels_kernel|_pb_level_kernel|_elias_\w+_kernel" \
+    -c 12 "$PY" -c "
 import torch, gradq
 x = torch.randn(25_000_000, device='cuda')
-for spec in ('signsgd', 'bingrad-b', 'linear:levels=5', 'qsgd:bits=4,bucket=512'):
+for spec in ('signsgd', 'bingrad-b', 'linear:levels=5', 'qsgd:bits=4,bucket=512', 'orq:levels=5', 'bingrad-pb',
+             'qsgd:bits=4,coding=elias'):
     gradq.build(spec).encode(x, seed=1)
 torch.cuda.synchronize()"
 fi
