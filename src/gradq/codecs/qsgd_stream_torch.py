@@ -31,7 +31,7 @@ import torch
 from .elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
 from .qsgd_fields import _CHUNK as CHUNK
 
-__all__ = ["encode_fields_stream_torch"]
+__all__ = ["encode_fields_stream_torch", "check_stream_args"]
 
 _M32 = 0xFFFFFFFF
 
@@ -76,16 +76,22 @@ def _place(words: torch.Tensor, value: torch.Tensor, length: torch.Tensor, offse
         words.scatter_add_(0, w0 + j, part)
 
 
-def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto", *, index: bool = False):
-    """The Elias stream of the codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) as a uint8 tensor
-    on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`; with
-    ``index=True``, ``(stream, chunk index)`` (:mod:`gradq.codecs.qsgd_chunks`), also on the device."""
+def check_stream_args(fields: torch.Tensor, s: int, layout: str) -> None:
+    """The arguments of a parallel stream builder: a uint8 tensor of fields, ``1 ≤ s ≤ 127`` and a
+    layout of ``auto``, ``sparse`` or ``dense``; raises ``ValueError``/``TypeError`` naming the bad one."""
     if layout not in ("auto", "sparse", "dense"):
         raise ValueError(f"layout={layout!r} is not valid; expected one of auto, sparse, dense")
     if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
         raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
     if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
         raise TypeError("fields must be a uint8 tensor")
+
+
+def encode_fields_stream_torch(fields: torch.Tensor, s: int, layout: str = "auto", *, index: bool = False):
+    """The Elias stream of the codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) as a uint8 tensor
+    on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`; with
+    ``index=True``, ``(stream, chunk index)`` (:mod:`gradq.codecs.qsgd_chunks`), also on the device."""
+    check_stream_args(fields, s, layout)
     dev = fields.device
     sc, sl, dc, dl, oc, ol = _tables(s, str(dev))
     f = fields.reshape(-1).to(torch.int64)

@@ -32,6 +32,7 @@ import torch
 from ..codecs.elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
 from ..codecs.qsgd_fields import _CHUNK as CHUNK
 from ..codecs.qsgd_fields import field_tables
+from ..codecs.qsgd_stream_torch import check_stream_args
 from . import triton_ops as _T
 from .triton_ops import _jit, tl
 
@@ -263,12 +264,7 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     """``(stream, chunk index)`` of the codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) on the
     fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream` with
     ``index=True``."""
-    if layout not in ("auto", "sparse", "dense"):
-        raise ValueError(f"layout={layout!r} is not valid; expected one of auto, sparse, dense")
-    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
-        raise ValueError(f"s must be an integer in [1, 127] for uint8 fields, got {s!r}")
-    if not isinstance(fields, torch.Tensor) or fields.dtype != torch.uint8:
-        raise TypeError("fields must be a uint8 tensor")
+    check_stream_args(fields, s, layout)
     dev = fields.device
     f = fields.reshape(-1)
     n = f.numel()
