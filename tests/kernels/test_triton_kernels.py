@@ -254,61 +254,6 @@ def test_multiscale_primitives(n, bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("case", range(8))
-def test_elias_stream_in_triton(case):
-    """The Triton stream builder gives the serial writer's stream and chunk index byte for byte:
-    both layouts and ``auto``, gaps past the 4,096-entry table (and past a block), sparse streams
-    with more than 4,095 nonzeros (a long header), one value, no nonzero, every value nonzero, and
-    (the last case, 'auto' only: the interpreter is slow) more than one chunk of 2**18 values."""
-    from gradq.codecs.qsgd_stream import encode_fields_stream
-    from gradq.kernels import triton_elias as E
-
-    g = torch.Generator().manual_seed(case)
-    s, n, density = [(1, 1, 1.0), (7, 9000, 0.0005), (127, 12000, 0.3), (3, 30000, 0.01), (127, 5, 0.0),
-                     (15, 3, 1.0), (7, 20_000, 0.7), (7, 270_000, 1e-5)][case]
-    codes = torch.randint(-s, s + 1, (n,), generator=g, dtype=torch.int32)
-    codes[torch.rand(n, generator=g) >= density] = 0
-    fields = (codes + s).to(torch.uint8)
-    for layout in ("auto",) if case == 7 else ("auto", "sparse", "dense"):
-        got, want = E.encode_fields_stream(fields, s, layout), encode_fields_stream(fields, s, layout, index=True)
-        assert torch.equal(got[0], want[0]), layout
-        assert torch.equal(got[1], want[1]), layout
-    if case == 7:
-        assert want[1].numel() == 3
-    with pytest.raises(ValueError, match="lie in"):
-        E.encode_fields_stream(torch.full((2,), 2 * s + 1, dtype=torch.uint8), s)
-
-
-@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse",
-                                  "qsgd:levels=100,coding=elias-dense"])
-def test_elias_coded_qsgd_on_the_triton_backend(spec, triton_backend):
-    """Elias-coded QSGD through the Triton backend (the path of CUDA tensors): the stream comes from
-    the Triton builder and the payload equals the CPU's."""
-    from gradq.kernels import triton_elias as E
-
-    x = data(5000, 3)
-    q = gradq.build(spec)
-    calls = []
-    real = E.encode_fields_stream
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    E.encode_fields_stream = spy
-    try:
-        enc = q.encode(x, seed=3)
-    finally:
-        E.encode_fields_stream = real
-    assert calls
-    kernels.set_backend("auto")
-    ref = q.encode(x, seed=3)
-    assert enc.same_bytes(ref)
-    assert same(q.decode(enc), q.decode(ref))
-
-
-@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_stream_offsets_past_two_to_the_32():
     """Counters continue from the stream's offset (the high word enters the hash past 2**32) and
     the stream advances as the reference's does."""
