@@ -99,7 +99,10 @@ SCRIPT = textwrap.dedent('''
          dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=4096, PER_CHUNK=E.CHUNK // E.BLOCK), False)
         for sparse in (True, False)
     ]
-    for name, sig, consts, divides in cases:
+
+
+    def check(case):
+        name, sig, consts, divides = case
         fn = getattr(T, name, None) or getattr(E, name)
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
@@ -114,7 +117,14 @@ SCRIPT = textwrap.dedent('''
         assert set(re.findall(r"\\bdiv\\.(\\w+)\\.f64", ptx)) <= {"rn"}, name + ": float64 division not correctly rounded"
         if divides:
             assert "div.rn.f32" in ptx and not re.search(r"div\\.(approx|full)\\.f32", ptx), name + ": inexact division"
-        print("compiled", name)
+        return name
+
+    # two processes (forked after the imports): the compiles are independent and CPU-bound
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+        for name in pool.map(check, cases):
+            print("compiled", name)
 ''')
 
 

@@ -214,12 +214,15 @@ def test_bingrad_pb_level_in_triton(bucket, monkeypatch):
 def test_level_and_bit_primitives(n, bucket):
     x = data(n, 100 + n)
     g = torch.Generator().manual_seed(n)
-    for L, w in [(3, 2), (5, 3), (9, 4), (17, 5)]:
-        enc = T.orq_encode(x, L, bucket, w, RandomStream(1))
-        assert same(enc, R.orq_encode(x, L, bucket, w, RandomStream(1))), L
-        assert same(T.levels_decode(enc[0], enc[1], bucket, w, n), R.levels_decode(enc[0], enc[1], bucket, w, n))
-        assert same(T.linear_encode(x, L, bucket, w, 2), R.linear_encode(x, L, bucket, w, 2))
     nb = R.num_buckets(n, bucket)
+    for L, w in [(3, 2), (5, 3), (9, 4), (17, 5)]:
+        # (ORQ's levels take a program a bucket, which the interpreter runs slowly: with many buckets,
+        # 5 levels only; test_orq_levels_in_triton covers every L)
+        if nb <= 16 or L == 5:
+            enc = T.orq_encode(x, L, bucket, w, RandomStream(1))
+            assert same(enc, R.orq_encode(x, L, bucket, w, RandomStream(1))), L
+            assert same(T.levels_decode(enc[0], enc[1], bucket, w, n), R.levels_decode(enc[0], enc[1], bucket, w, n))
+        assert same(T.linear_encode(x, L, bucket, w, 2), R.linear_encode(x, L, bucket, w, 2))
     t = torch.randn(nb, dtype=torch.float64, generator=g)
     assert same(T.threshold_encode(x, t, bucket), R.threshold_encode(x, t, bucket))
     assert same(T.sign_encode(x), R.sign_encode(x))
