@@ -32,7 +32,7 @@ import torch
 from ..codecs.elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
 from ..codecs.qsgd_fields import _CHUNK as CHUNK
 from ..codecs.qsgd_fields import field_tables
-from ..codecs.qsgd_stream_torch import check_stream_args
+from ..codecs.qsgd_stream_torch import _omega_codes, check_stream_args
 from . import triton_ops as _T
 from .triton_ops import _jit, tl
 
@@ -244,12 +244,9 @@ def _elias_write_kernel(f_ptr, sc_ptr, sl_ptr, dc_ptr, dl_ptr, oc_ptr, ol_ptr, p
 
 # == host =========================================================================================
 def _header(nnz: int) -> tuple[int, int]:
-    """Omega code and length of ``nnz + 1`` (the sparse stream's header)."""
-    k = nnz + 1
-    if k < _SMALL:
-        return int(_OMEGA_CODE[k]), int(_OMEGA_LEN[k])
-    b = k.bit_length()
-    return ((int(_OMEGA_CODE[b - 1]) >> 1) << (b + 1)) | (k << 1), int(_OMEGA_LEN[b - 1]) - 1 + b + 1
+    """Omega code and length of ``nnz + 1`` (the sparse stream's header), by the tensor builder's rule."""
+    code, length = _omega_codes(torch.tensor([nnz + 1]), torch.from_numpy(_OMEGA_CODE), torch.from_numpy(_OMEGA_LEN))
+    return int(code), int(length)
 
 
 def _first_words(value: int, length: int) -> tuple[int, int]:
