@@ -39,8 +39,13 @@ SCRIPT = textwrap.dedent('''
          clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=4, TRITS=False, G=128), True),
         ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32",
          clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=1, TRITS=True, G=128), True),
+    ] + [
         ("_maxabs_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
-         clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C), dict(W=4, BUCKET=512, R=2), True),
+         clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C),
+         dict(W=w, BUCKET=bucket, R=r, CLIP=clip, WIDE=wide), True)
+        for w, bucket, r, clip, wide in [(4, 512, 4, False, True), (8, 8, 1, True, True), (3, 64, 2, False, False),
+                                         (2, 4096, 1, False, True), (6, 16, 8, True, False)]
+    ] + [
         ("_uniform_decode_kernel", dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C),
          dict(M=4, W=3, TRITS=False, G=128, CHECK=True), True),

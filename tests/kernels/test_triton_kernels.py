@@ -272,6 +272,28 @@ def test_stream_offsets_past_two_to_the_32():
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_one_pass_encode_paths():
+    """The one-pass QSGD encode's programs run unmasked when they are whole and their counters stay
+    below the next multiple of 2**32, masked otherwise; whole ones store 2-, 4- and 8-bit groups as
+    words when the output is 4-byte aligned. Every width, aligned and not, with the counters passing
+    2**32 inside the second program, gives the reference's bytes."""
+    per = T.TUNING["fused_elems"]
+    x = data(3 * per + 5, 12)
+    for start in (0, 2**32 - per - 100):
+        for w in range(1, 9):
+            s = (1 << (w - 1)) - 1 or 1
+            if 2 * s >= 1 << w:    # (one bit holds no sign and magnitude: s = 1 needs 2 bits)
+                continue
+            for shift in (0, 1, 2):
+                a, b = RandomStream(4), RandomStream(4)
+                a.offset = b.offset = start
+                nbytes = (x.numel() * w + 7) // 8
+                out = torch.full((nbytes + shift,), 0xA5, dtype=torch.uint8)[shift:]
+                got = T.maxabs_uniform_encode(x, s, 64, w, a, out=out)
+                assert got[0] is out and same(got, R.maxabs_uniform_encode(x, s, 64, w, b)), (start, w, shift)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_empty_one_value_and_zero_buckets():
     for x in (torch.zeros(0), torch.tensor([2.5]), torch.zeros(64), torch.tensor([-0.0] * 9)):
         n = x.numel()

@@ -158,20 +158,44 @@ def _uniform(ctr, k1, k2):
 
 
 @_jit
+def _uniform_at(lo0, hi0, o, k1, k2, NOWRAP: tl.constexpr):
+    """:func:`_uniform` of the counters ``(hi0 << 32 | lo0) + o``, for int32 offsets ``o ≥ 0`` from
+    one int64 counter split into uint32 halves (no int64 arithmetic per value). NOWRAP: the caller
+    knows that ``lo0 + o`` does not pass 2**32 (the high half is then ``hi0`` throughout)."""
+    lo = lo0 + o.to(tl.uint32)
+    if NOWRAP:
+        hi = hi0
+    else:
+        hi = hi0 + (lo < lo0).to(tl.uint32)
+    h = _mix32(_mix32(lo * tl.full((), 0x9E3779B9, tl.uint32) + k1.to(tl.uint32)) ^ k2.to(tl.uint32) ^ hi)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@_jit
+def _recip_s(scale, s):
+    """``float32(1/scale)·s`` (a zero scale reads as 1): the multiplier of :func:`_field_r`."""
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    return tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe) * s.to(tl.float32)
+
+
+@_jit
+def _field_r(v, r, s, clip, u, CLIP: tl.constexpr = True):
+    """``s ± min(floor(|v|·r + u), s)``, ``v`` first clamped to ``[−clip, clip]`` (CLIP=False: the
+    caller knows ``clip`` is inf, where the clamp changes nothing, NaN included)."""
+    if CLIP:
+        v = tl.where(v > clip, clip, v)
+        v = tl.where(v < -clip, -clip, v)
+    av = tl.abs(v)
+    a = tl.where(av > 0.0, av * r, 0.0)  # 0·inf would be NaN for a denormal scale
+    # a is never NaN here, so min() is the reference's clamp on every backend (min's NaN rule differs)
+    mag = tl.minimum(a + u, s.to(tl.float32)).to(tl.int32)
+    return tl.where(v < 0.0, s - mag, s + mag)
+
+
+@_jit
 def _field(v, scale, s, clip, u):
     """``s ± min(floor(|v|·r + u), s)`` with ``r = float32(1/scale)·s`` (a zero scale reads as 1)."""
-    v = tl.where(v > clip, clip, v)
-    v = tl.where(v < -clip, -clip, v)
-    safe = tl.where(scale > 0.0, scale, 1.0)
-    sf = s.to(tl.float32)
-    r = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe) * sf
-    av = tl.abs(v)
-    a = av * r
-    a = tl.where(av > 0.0, a, 0.0)  # 0·inf would be NaN for a denormal scale
-    t = a + u
-    t = tl.where(t > sf, sf, t)
-    mag = t.to(tl.int32)
-    return tl.where(v < 0.0, s - mag, s + mag)
+    return _field_r(v, _recip_s(scale, s), s, clip, u)
 
 
 @_jit
@@ -314,24 +338,115 @@ def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, bucket, s, cli
 
 
 @_jit
-def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, clip, k1, k2, ctr0,
-                                  W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr):
-    """QSGD in one pass: R whole buckets of BUCKET (a power of two, a multiple of 8) values per
-    program — their max-abs, then their fields, packed."""
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    cols = tl.arange(0, BUCKET)
-    idx = rows[:, None] * BUCKET + cols[None, :]
-    ok = idx < n
-    v = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    sc = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
-    sc = tl.where(sc < clip, sc, clip)
+def _split4(t):
+    """The four columns of ``[N, 4]`` as four ``[N]`` tensors. ``tl.split`` keeps a thread's values
+    in its registers, where a sum over the axis would shuffle them between threads."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@_jit
+def _absbits(v):
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@_jit
+def _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, g, left, W: tl.constexpr, WIDE: tl.constexpr):
+    """Store groups ``g`` of eight W-bit uint32 fields as W little-endian bytes each, at ``out_ptr``
+    (bytes from ``left`` on are not written). WIDE: every group is whole and ``out_ptr`` is 4-byte
+    aligned, so 2-, 4- and 8-bit groups go out as one 16- or 32-bit word, or two."""
+    if W == 8 and WIDE:
+        p = out_ptr.to(tl.pointer_type(tl.uint32))
+        tl.store(p + 2 * g, f0 | (f1 << 8) | (f2 << 16) | (f3 << 24))
+        tl.store(p + 2 * g + 1, f4 | (f5 << 8) | (f6 << 16) | (f7 << 24))
+    elif W <= 4:
+        word = (f0 | (f1 << W) | (f2 << 2 * W) | (f3 << 3 * W) | (f4 << 4 * W) | (f5 << 5 * W) | (f6 << 6 * W)
+                | (f7 << 7 * W))
+        if WIDE and W == 4:
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + g, word)
+        elif WIDE and W == 2:
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint16)) + g, word.to(tl.uint16))
+        else:
+            for b in tl.static_range(W):
+                tl.store(out_ptr + g * W + b, ((word >> 8 * b) & 0xFF).to(tl.uint8), mask=g * W + b < left)
+    else:
+        word = (f0.to(tl.uint64) | (f1.to(tl.uint64) << W) | (f2.to(tl.uint64) << 2 * W)
+                | (f3.to(tl.uint64) << 3 * W) | (f4.to(tl.uint64) << 4 * W) | (f5.to(tl.uint64) << 5 * W)
+                | (f6.to(tl.uint64) << 6 * W) | (f7.to(tl.uint64) << 7 * W))
+        for b in tl.static_range(W):
+            tl.store(out_ptr + g * W + b, ((word >> 8 * b) & 0xFF).to(tl.uint8), mask=g * W + b < left)
+
+
+@_jit
+def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                         W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
+                         WIDE: tl.constexpr, FULL: tl.constexpr):
+    """One program of :func:`_maxabs_uniform_encode_kernel`: values ``first + o`` for ``o < rem``.
+    FULL: ``rem`` is the whole program and no counter passes a multiple of 2**32, so nothing is
+    masked and the counters' high half is one value."""
+    NG: tl.constexpr = R * BUCKET // 8
+    g = tl.arange(0, NG)
+    o = g[:, None] * 8 + tl.arange(0, 4)[None, :]   # the first four values of each group of eight
+    if FULL:
+        va = tl.load(x_ptr + first + o)
+        vb = tl.load(x_ptr + first + 4 + o)
+    else:
+        va = tl.load(x_ptr + first + o, mask=o < rem, other=0.0)
+        vb = tl.load(x_ptr + first + 4 + o, mask=o + 4 < rem, other=0.0)
+    v0, v1, v2, v3 = _split4(va)
+    v4, v5, v6, v7 = _split4(vb)
+    bits = tl.maximum(tl.maximum(tl.maximum(_absbits(v0), _absbits(v1)), tl.maximum(_absbits(v2), _absbits(v3))),
+                      tl.maximum(tl.maximum(_absbits(v4), _absbits(v5)), tl.maximum(_absbits(v6), _absbits(v7))))
+    sc = tl.max(tl.reshape(bits, (R, BUCKET // 8)), axis=1).to(tl.float32, bitcast=True)
+    sc = tl.where(sc < clip, sc, clip)   # (NaN < clip is false: a NaN bucket reads clip; the encode raises)
+    rows = first // BUCKET + tl.arange(0, R)
     tl.store(scales_ptr + rows, sc, mask=rows < nb)
-    f = _field(v, sc[:, None], s, clip, _uniform(ctr0 + idx, k1, k2))
-    f = tl.where(ok, f, 0)
-    f = tl.reshape(f, (R * BUCKET // 8, 8))
-    grp = tl.program_id(0).to(tl.int64) * (R * BUCKET // 8) + tl.arange(0, R * BUCKET // 8)
-    _store_groups(out_ptr, f, grp, nbytes, W)
+    r = tl.reshape(tl.broadcast_to(_recip_s(sc, s)[:, None], (R, BUCKET // 8)), (NG,))
+    base = g * 8
+    f0 = _field_r(v0, r, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
+    f1 = _field_r(v1, r, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
+    f2 = _field_r(v2, r, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
+    f3 = _field_r(v3, r, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
+    f4 = _field_r(v4, r, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
+    f5 = _field_r(v5, r, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
+    f6 = _field_r(v6, r, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
+    f7 = _field_r(v7, r, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
+    if not FULL:   # fields past n are zero bits, as the reference pads
+        f0 = tl.where(base < rem, f0, 0)
+        f1 = tl.where(base + 1 < rem, f1, 0)
+        f2 = tl.where(base + 2 < rem, f2, 0)
+        f3 = tl.where(base + 3 < rem, f3, 0)
+        f4 = tl.where(base + 4 < rem, f4, 0)
+        f5 = tl.where(base + 5 < rem, f5, 0)
+        f6 = tl.where(base + 6 < rem, f6, 0)
+        f7 = tl.where(base + 7 < rem, f7, 0)
+    bfirst = first // 8 * W
+    _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr + bfirst, g, nbytes - bfirst, W, WIDE and FULL)
+
+
+@_jit
+def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, clip, k1, k2, ctr0,
+                                  W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
+                                  WIDE: tl.constexpr):
+    """QSGD in one pass: R whole buckets of BUCKET (a power of two, a multiple of 8) values per
+    program — their max-abs, then their fields, packed. Each thread takes whole groups of eight
+    values (two 16-byte loads, ``tl.split`` in registers), so packing needs no exchange between
+    threads; counters are uint32 offsets from the program's first; and a program that is whole and
+    whose counters stay below the next multiple of 2**32 (all but at most two) runs unmasked."""
+    pid = tl.program_id(0).to(tl.int64)
+    first = pid * (R * BUCKET)
+    rem = tl.minimum(n - first, R * BUCKET).to(tl.int32)
+    c = ctr0 + first
+    lo0 = (c & 0xFFFFFFFF).to(tl.uint32)
+    hi0 = (c >> 32).to(tl.uint32)
+    if (rem == R * BUCKET) & (lo0 <= 0xFFFFFFFF - R * BUCKET):
+        _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                             W, BUCKET, R, CLIP, WIDE, True)
+    else:
+        _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                             W, BUCKET, R, CLIP, WIDE, False)
 
 
 @_jit
@@ -849,7 +964,8 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
         if n:
             r = max(1, TUNING["fused_elems"] // d)
             _launch(_maxabs_uniform_encode_kernel, _grid(nb, r), xv, sc, packed, n, nbytes, nb, s, c, k1, k2, ctr0,
-                    W=width, BUCKET=d, R=r, num_warps=TUNING["fused_warps"])
+                    W=width, BUCKET=d, R=r, CLIP=bool(c < np.inf), WIDE=packed.data_ptr() % 4 == 0,
+                    num_warps=TUNING["fused_warps"])
         return packed, sc
     sc = maxabs_scales(x, bucket, clip) if fused else _vector(scales, nb, "scales", torch.float32, xv.device)
     if n:

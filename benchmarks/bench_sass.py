@@ -1,0 +1,167 @@
+"""Machine instructions per value of the Triton codec kernels for an H100 (sm_90), counted without a GPU.
+
+A one-pass encode at a gradient's size is bound by instruction issue, not by memory: profiled on an
+H100, the 4-bit QSGD encode ran its SMs at 90 % of their issue rate while DRAM carried 38 % of its
+bandwidth (docs/performance.md, "What limits each kernel"). Its time then follows the number of
+instructions each value costs. This script compiles each element-wise kernel as a launch would (the
+shipped launch shape from ``TUNING``; pointers, ``n`` and byte counts divisible by 16, as Triton
+specializes them for a fresh tensor of 25M values), disassembles it with the ``nvdisasm`` that
+ships with Triton and divides the kernel's instructions by the values each thread handles:
+
+    python benchmarks/bench_sass.py [--kernel SUBSTRING ...] [--ops]
+
+Kernels with an unmasked path for whole programs (the one-pass QSGD encode) are counted on that
+path, which every program but the last runs. A Triton copy kernel (16-byte loads and stores), the
+memory-bound baseline, is counted in the same run. A static count is not a time: the mix of
+instructions matters (integer and logic operations issue at half the rate of float ones on an H100's
+SM sub-partitions), and so do memory stalls. Times come from ``bench_codecs.py --device cuda`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("GRADQ_TRITON_INTERPRET", "0")   # compile for a GPU target, even on a machine without one
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from gradq.kernels import triton_ops as T  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+PF, P8, P32, PF64, PI64, I, U, F, C = "*fp32", "*u8", "*i32", "*fp64", "*i64", "i64", "u32", "fp32", "constexpr"
+SIZES = ("n", "nbytes", "nb", "first", "left")   # size arguments: divisible by 16 for a 25M-value tensor
+
+
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """The baseline: ``y = x``, BLOCK values a program."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + idx, tl.load(x_ptr + idx, mask=idx < n), mask=idx < n)
+
+
+def _cases() -> list[tuple]:
+    """(label, kernel, signature, constexprs, values a program, warps)."""
+    G, gw = T.TUNING["groups"], T.TUNING["groups_warps"]
+    bucket = 512
+    r = max(1, T.TUNING["fused_elems"] // bucket)
+    fused_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, s="i32", clip=F,
+                     k1=I, k2=I, lo0=U, hi0=U, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, FULL=C)
+    enc_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32", clip=F, k1=I, k2=I,
+                   ctr0=I, W=C, TRITS=C, G=C)
+    dec_sig = dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I, nb=I,
+                   bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C)
+    cases = [("copy (baseline)", _copy_kernel, dict(x_ptr=PF, y_ptr=PF, n=I, BLOCK=C), dict(BLOCK=1024), 1024, 4)]
+    for w in (2, 4, 8):
+        cases.append((f"qsgd one-pass encode, {w}-bit, bucket {bucket}", T._maxabs_uniform_body, fused_sig,
+                      dict(W=w, BUCKET=bucket, R=r, CLIP=False, WIDE=True, FULL=True), r * bucket,
+                      T.TUNING["fused_warps"]))
+    cases += [
+        ("uniform encode (scales given), 4-bit", T._uniform_encode_kernel, enc_sig, dict(W=4, TRITS=False, G=G),
+         8 * G, gw),
+        ("uniform encode (scales given), trits", T._uniform_encode_kernel, enc_sig, dict(W=1, TRITS=True, G=G),
+         5 * G, gw),
+        ("uniform decode, 4-bit", T._uniform_decode_kernel, dec_sig,
+         dict(M=1, W=4, TRITS=False, G=G, CHECK=False), 8 * G, gw),
+        ("uniform decode, trits (checked)", T._uniform_decode_kernel, dec_sig,
+         dict(M=1, W=1, TRITS=True, G=G, CHECK=True), 5 * G, gw),
+        ("levels encode, L=5", T._levels_encode_kernel,
+         dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, G=C),
+         dict(L=5, W=3, G=G), 8 * G, gw),
+        ("levels decode, L=5", T._levels_decode_kernel,
+         dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I, bucket=I, L="i32", W=C, G=C),
+         dict(W=3, G=G), 8 * G, gw),
+        ("one-bit threshold encode", T._threshold_kernel,
+         dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, n=I, nbytes=I, bucket=I, G=C), dict(G=G), 8 * G, gw),
+        ("bingrad-pb bits encode", T._pb_bits_kernel,
+         dict(x_ptr=PF, b_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I, ctr0=I, G=C), dict(G=G), 8 * G, gw),
+        ("one-bit decode", T._bit_decode_kernel,
+         dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, n=I, nbytes=I, bucket=I, PER=C, G=C), dict(PER=1, G=G),
+         8 * G, gw),
+    ]
+    return cases
+
+
+def _path(sass: str) -> list[str]:
+    """The instructions on the path that falls through every conditional branch and exit, following
+    unconditional branches: in these kernels the common path (conditional branches lead to the
+    slow paths of divisions, to 64-bit division calls, and to masked tails), counted once."""
+    code, labels = [], {}
+    for ln in sass.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", ln)
+        if m:
+            labels[m.group(1)] = len(code)
+        elif re.match(r"\s+/\*[0-9a-f]{4}\*/", ln):
+            code.append(re.sub(r"^\s+/\*[0-9a-f]+\*/\s+", "", ln).strip())
+    path, pc = [], 0
+    while pc < len(code) and len(path) <= len(code):
+        ins = code[pc]
+        path.append(ins)
+        guarded = ins.startswith("@")
+        op = ins.split()[1 if guarded else 0]
+        if not guarded and op.startswith(("EXIT", "RET")):
+            break
+        m = re.search(r"\(\.L_x_\d+\)", ins)
+        if not guarded and op.startswith("BRA") and m:
+            pc = labels[m.group(0)[1:-1]]
+            continue
+        pc += 1
+    return path
+
+
+def count(fn, sig: dict, consts: dict, warps: int, workdir: str) -> tuple[int, int, collections.Counter]:
+    """``fn`` compiled for sm_90 as a launch would: its SASS instructions, those on the common path
+    (:func:`_path`), and that path's opcodes."""
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*") or (a in SIZES and t != C)}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                       options={"enable_fp_fusion": False, "num_warps": warps})
+    path = os.path.join(workdir, "k.cubin")
+    with open(path, "wb") as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout
+    total = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln) and "NOP" not in ln)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in _path(sass))
+    ops.pop("NOP;", None)
+    return total, sum(ops.values()), ops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", action="append", default=[], help="only labels containing this (repeatable)")
+    ap.add_argument("--ops", action="store_true", help="print each kernel's most frequent opcodes")
+    args = ap.parse_args(argv)
+    if not os.path.exists(NVDISASM):
+        print(f"nvdisasm not found at {NVDISASM}: this triton has no NVIDIA tools", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, fn, sig, consts, per_program, warps in _cases():
+            if args.kernel and not any(k in label for k in args.kernel) and "baseline" not in label:
+                continue
+            total, common, ops = count(fn, sig, consts, warps, tmp)
+            per_value = common / (per_program / (32 * warps))
+            rows.append((label, per_program, warps, total, common, per_value, ops))
+    base = rows[0][5]
+    print(f"{'kernel':<42} {'values/prog':>11} {'warps':>5} {'SASS':>6} {'path':>6} {'per value':>9} {'x copy':>7}")
+    for label, per_program, warps, total, common, per_value, ops in rows:
+        print(f"{label:<42} {per_program:>11} {warps:>5} {total:>6} {common:>6} {per_value:>9.1f} "
+              f"{per_value / base:>7.1f}")
+        if args.ops:
+            print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
