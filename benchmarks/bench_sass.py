@@ -57,8 +57,8 @@ def _cases() -> list[tuple]:
     r = max(1, T.TUNING["fused_elems"] // bucket)
     fused_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, s="i32", clip=F,
                      k1=I, k2=I, lo0=U, hi0=U, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, FULL=C)
-    enc_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32", clip=F, k1=I, k2=I,
-                   ctr0=I, W=C, TRITS=C, G=C)
+    enc_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, bucket=I, s="i32",
+                   clip=F, k1=I, k2=I, lo0=U, hi0=U, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C, FULL=C)
     dec_sig = dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I, nb=I,
                    bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C)
     cases = [("copy (baseline)", _copy_kernel, dict(x_ptr=PF, y_ptr=PF, n=I, BLOCK=C), dict(BLOCK=1024), 1024, 4)]
@@ -67,10 +67,12 @@ def _cases() -> list[tuple]:
                       dict(W=w, BUCKET=bucket, R=r, CLIP=False, WIDE=True, FULL=True), r * bucket,
                       T.TUNING["fused_warps"]))
     cases += [
-        ("uniform encode (scales given), 4-bit", T._uniform_encode_kernel, enc_sig, dict(W=4, TRITS=False, G=G),
-         8 * G, gw),
-        ("uniform encode (scales given), trits", T._uniform_encode_kernel, enc_sig, dict(W=1, TRITS=True, G=G),
-         5 * G, gw),
+        ("uniform encode (scales given), 4-bit", T._uniform_encode_body, enc_sig,
+         dict(W=4, TRITS=False, G=G, BIG=True, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
+        ("uniform encode (scales given), trits", T._uniform_encode_body, enc_sig,
+         dict(W=1, TRITS=True, G=G, BIG=True, CLIP=True, WIDE=False, FULL=True), 5 * G, gw),
+        ("uniform encode, 4-bit, buckets < a program", T._uniform_encode_body, enc_sig,
+         dict(W=4, TRITS=False, G=G, BIG=False, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
         ("uniform decode, 4-bit", T._uniform_decode_kernel, dec_sig,
          dict(M=1, W=4, TRITS=False, G=G, CHECK=False), 8 * G, gw),
         ("uniform decode, trits (checked)", T._uniform_decode_kernel, dec_sig,

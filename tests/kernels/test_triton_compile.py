@@ -35,10 +35,13 @@ SCRIPT = textwrap.dedent('''
     cases = [
         ("_maxabs_bits_kernel", dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
          dict(ROWS=8, COLS=512), False),
-        ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32",
-         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=4, TRITS=False, G=128), True),
-        ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, s="i32",
-         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C), dict(W=1, TRITS=True, G=128), True),
+    ] + [
+        ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, bucket=I, s="i32",
+         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C),
+         dict(W=w, TRITS=trits, G=64, BIG=big, CLIP=clip, WIDE=wide), True)
+        for w, trits, big, clip, wide in [(4, False, True, False, True), (3, False, False, True, False),
+                                          (1, True, True, True, False), (1, True, False, False, False),
+                                          (8, False, False, False, True)]
     ] + [
         ("_maxabs_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
          clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C),

@@ -282,15 +282,43 @@ def test_one_pass_encode_paths():
     for start in (0, 2**32 - per - 100):
         for w in range(1, 9):
             s = (1 << (w - 1)) - 1 or 1
-            if 2 * s >= 1 << w:    # (one bit holds no sign and magnitude: s = 1 needs 2 bits)
+            if 2 * s >= 1 << w or (start and w not in (3, 4)):   # (1 bit holds no sign and magnitude)
                 continue
-            for shift in (0, 1, 2):
+            for shift in ((0, 1) if w in (2, 4, 8) else (w % 2,)):
                 a, b = RandomStream(4), RandomStream(4)
                 a.offset = b.offset = start
                 nbytes = (x.numel() * w + 7) // 8
                 out = torch.full((nbytes + shift,), 0xA5, dtype=torch.uint8)[shift:]
                 got = T.maxabs_uniform_encode(x, s, 64, w, a, out=out)
                 assert got[0] is out and same(got, R.maxabs_uniform_encode(x, s, 64, w, b)), (start, w, shift)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket", [24, 700])
+def test_encode_with_scales_paths(bucket):
+    """The element-wise encode (scales given: MaxNorm, TernGrad) reads two scales a program where
+    buckets hold at least a program's values (700, and bucket=None), else a bucket per value (24).
+    Whole programs run unmasked, as the one-pass encode's; counters pass 2**32 inside one program;
+    words are stored where the output is aligned (odd widths: bytes), and trits. Same bytes as the
+    reference."""
+    per = 8 * T.TUNING["groups"]
+    x = data(3 * per + 5, 13)
+    sc = R.maxabs_scales(x, bucket) * 0.75     # (some values above their scale: the fields saturate)
+    for start in (0, 2**32 - per - 100):
+        for w, s in [(0, 1), (2, 1), (3, 3), (4, 7), (8, 127)]:
+            for shift in ((0, 1) if w in (0, 4) else (w % 2,)):
+                a, b = RandomStream(5), RandomStream(5)
+                a.offset = b.offset = start
+                if w == 0:
+                    out = torch.zeros((x.numel() + 4) // 5 + shift, dtype=torch.uint8)[shift:]
+                    got = T.uniform_encode_trits(x, sc, bucket, a, clip=2.0, out=out)
+                    ref = R.uniform_encode_trits(x, sc, bucket, b, clip=2.0)
+                else:
+                    out = torch.zeros((x.numel() * w + 7) // 8 + shift, dtype=torch.uint8)[shift:]
+                    got = T.uniform_encode(x, sc, s, bucket, w, a, out=out)
+                    ref = R.uniform_encode(x, sc, s, bucket, w, b)
+                assert got is out and same(got, ref), (start, w, shift)
+                assert a.offset == b.offset
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")

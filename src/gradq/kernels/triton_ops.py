@@ -209,16 +209,6 @@ def _store_groups(out_ptr, fields, grp, valid_bytes, W: tl.constexpr):
 
 
 @_jit
-def _store_trits(out_ptr, fields, grp, valid_bytes):
-    """Pack ``fields`` (``[G, 8]``, the first 5 columns trits) five per byte."""
-    k = tl.arange(0, 8)
-    pw = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27,
-                  tl.where(k == 4, 81, 0)))))
-    byte = tl.sum(fields * pw[None, :], axis=1)
-    tl.store(out_ptr + grp, byte.to(tl.uint8), mask=grp < valid_bytes)
-
-
-@_jit
 def _load_groups(data_ptr, grp, valid_bytes, W: tl.constexpr):
     """The ``[G, 8]`` fields of W-bit groups ``grp`` (bytes past ``valid_bytes`` read as zero)."""
     k = tl.arange(0, 8)
@@ -319,25 +309,6 @@ def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_pt
 
 
 @_jit
-def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, bucket, s, clip, k1, k2, ctr0,
-                           W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr):
-    """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits)."""
-    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    per = 5 if TRITS else 8
-    idx = grp[:, None] * per + k[None, :]
-    ok = (idx < n) & (k[None, :] < per)
-    v = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    scale = tl.load(scales_ptr + idx // bucket, mask=ok, other=1.0)
-    f = _field(v, scale, s, clip, _uniform(ctr0 + idx, k1, k2))
-    f = tl.where(ok, f, 0)
-    if TRITS:
-        _store_trits(out_ptr, f, grp, nbytes)
-    else:
-        _store_groups(out_ptr, f, grp, nbytes, W)
-
-
-@_jit
 def _split4(t):
     """The four columns of ``[N, 4]`` as four ``[N]`` tensors. ``tl.split`` keeps a thread's values
     in its registers, where a sum over the axis would shuffle them between threads."""
@@ -380,40 +351,27 @@ def _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, g, left, W: tl.constexpr, WI
 
 
 @_jit
-def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
-                         W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
-                         WIDE: tl.constexpr, FULL: tl.constexpr):
-    """One program of :func:`_maxabs_uniform_encode_kernel`: values ``first + o`` for ``o < rem``.
-    FULL: ``rem`` is the whole program and no counter passes a multiple of 2**32, so nothing is
-    masked and the counters' high half is one value."""
-    NG: tl.constexpr = R * BUCKET // 8
-    g = tl.arange(0, NG)
-    o = g[:, None] * 8 + tl.arange(0, 4)[None, :]   # the first four values of each group of eight
+def _load8(ptr, base, rem, FULL: tl.constexpr):
+    """Values ``ptr[base + j]``, j = 0..7, for group starts ``base`` (int32, multiples of 8): two
+    16-byte loads a group, split in registers. Without FULL, offsets from ``rem`` on read 0."""
+    o = base[:, None] + tl.arange(0, 4)[None, :]
     if FULL:
-        va = tl.load(x_ptr + first + o)
-        vb = tl.load(x_ptr + first + 4 + o)
+        va = tl.load(ptr + o)
+        vb = tl.load(ptr + 4 + o)
     else:
-        va = tl.load(x_ptr + first + o, mask=o < rem, other=0.0)
-        vb = tl.load(x_ptr + first + 4 + o, mask=o + 4 < rem, other=0.0)
+        va = tl.load(ptr + o, mask=o < rem, other=0.0)
+        vb = tl.load(ptr + 4 + o, mask=o + 4 < rem, other=0.0)
     v0, v1, v2, v3 = _split4(va)
     v4, v5, v6, v7 = _split4(vb)
-    bits = tl.maximum(tl.maximum(tl.maximum(_absbits(v0), _absbits(v1)), tl.maximum(_absbits(v2), _absbits(v3))),
-                      tl.maximum(tl.maximum(_absbits(v4), _absbits(v5)), tl.maximum(_absbits(v6), _absbits(v7))))
-    sc = tl.max(tl.reshape(bits, (R, BUCKET // 8)), axis=1).to(tl.float32, bitcast=True)
-    sc = tl.where(sc < clip, sc, clip)   # (NaN < clip is false: a NaN bucket reads clip; the encode raises)
-    rows = first // BUCKET + tl.arange(0, R)
-    tl.store(scales_ptr + rows, sc, mask=rows < nb)
-    r = tl.reshape(tl.broadcast_to(_recip_s(sc, s)[:, None], (R, BUCKET // 8)), (NG,))
-    base = g * 8
-    f0 = _field_r(v0, r, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
-    f1 = _field_r(v1, r, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
-    f2 = _field_r(v2, r, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
-    f3 = _field_r(v3, r, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
-    f4 = _field_r(v4, r, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
-    f5 = _field_r(v5, r, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
-    f6 = _field_r(v6, r, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
-    f7 = _field_r(v7, r, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
-    if not FULL:   # fields past n are zero bits, as the reference pads
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@_jit
+def _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W: tl.constexpr,
+                WIDE: tl.constexpr, FULL: tl.constexpr):
+    """:func:`_pack8` of the groups at ``first + base``; without FULL, fields from ``rem`` on are
+    zero bits (the reference's padding) and no byte past ``nbytes`` is written."""
+    if not FULL:
         f0 = tl.where(base < rem, f0, 0)
         f1 = tl.where(base + 1 < rem, f1, 0)
         f2 = tl.where(base + 2 < rem, f2, 0)
@@ -423,7 +381,152 @@ def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, 
         f6 = tl.where(base + 6 < rem, f6, 0)
         f7 = tl.where(base + 7 < rem, f7, 0)
     bfirst = first // 8 * W
-    _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr + bfirst, g, nbytes - bfirst, W, WIDE and FULL)
+    _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr + bfirst, base // 8, nbytes - bfirst, W, WIDE and FULL)
+
+
+@_jit
+def _span(n, PER: tl.constexpr):
+    """This program's values: the first one's index (int64) and how many there are (int32, ≤ PER)."""
+    first = tl.program_id(0).to(tl.int64) * PER
+    return first, tl.minimum(n - first, PER).to(tl.int32)
+
+
+@_jit
+def _counter_halves(ctr0, first, PER: tl.constexpr):
+    """The counter of value ``first`` split into uint32 halves, and whether the PER counters from it
+    stay below the next multiple of 2**32 (then the high half is one value: ``_uniform_at``'s NOWRAP)."""
+    c = ctr0 + first
+    lo0 = (c & 0xFFFFFFFF).to(tl.uint32)
+    return lo0, (c >> 32).to(tl.uint32), lo0 <= 0xFFFFFFFF - PER
+
+
+@_jit
+def _bucket_split(first, bucket, PER: tl.constexpr):
+    """For buckets of at least PER values: the bucket ``b0`` of value ``first`` and the offset from
+    ``first`` (int32, at most PER) where bucket ``b0 + 1`` starts."""
+    b0 = first // bucket
+    return b0, tl.minimum((b0 + 1) * bucket - first, PER).to(tl.int32)
+
+
+@_jit
+def _bucket_of(first, o, bucket):
+    """The bucket (int64) of values ``first + o`` (``o`` int32 offsets < 2**31, buckets < 2**31):
+    one 64-bit division a program, 32-bit ones a value."""
+    b0 = first // bucket
+    r0 = (first - b0 * bucket).to(tl.int32)
+    return b0 + (r0 + o) // tl.cast(bucket, tl.int32)
+
+
+@_jit
+def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
+                         W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
+                         CLIP: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr):
+    """One program of :func:`_uniform_encode_kernel` (FULL: as in :func:`_maxabs_uniform_body`)."""
+    g = tl.arange(0, G)
+    if TRITS:   # a byte of five trits per group: five loads at a stride of five values
+        PER: tl.constexpr = 5 * G
+        base = g * 5
+        if BIG:
+            b0, edge = _bucket_split(first, bucket, PER)
+            ra = _recip_s(tl.load(scales_ptr + b0), s)
+            rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+        byte = tl.zeros((G,), tl.int32)
+        for j in tl.static_range(4, -1, -1):   # Horner: t0 + 3·(t1 + 3·(t2 + …))
+            o = base + j
+            if FULL:
+                v = tl.load(x_ptr + first + o)
+            else:
+                v = tl.load(x_ptr + first + o, mask=o < rem, other=0.0)
+            if BIG:
+                r = tl.where(o < edge, ra, rb)
+            else:
+                r = _recip_s(tl.load(scales_ptr + _bucket_of(first, o, bucket), mask=o < rem, other=1.0), s)
+            f = _field_r(v, r, s, clip, _uniform_at(lo0, hi0, o, k1, k2, FULL), CLIP)
+            if not FULL:
+                f = tl.where(o < rem, f, 0)
+            byte = byte * 3 + f
+        tl.store(out_ptr + first // 5 + g, byte.to(tl.uint8), mask=first // 5 + g < nbytes)
+    else:
+        PER: tl.constexpr = 8 * G
+        base = g * 8
+        v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FULL)
+        if BIG:
+            b0, edge = _bucket_split(first, bucket, PER)
+            ra = _recip_s(tl.load(scales_ptr + b0), s)
+            rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+            r0 = tl.where(base < edge, ra, rb)
+            r1 = tl.where(base + 1 < edge, ra, rb)
+            r2 = tl.where(base + 2 < edge, ra, rb)
+            r3 = tl.where(base + 3 < edge, ra, rb)
+            r4 = tl.where(base + 4 < edge, ra, rb)
+            r5 = tl.where(base + 5 < edge, ra, rb)
+            r6 = tl.where(base + 6 < edge, ra, rb)
+            r7 = tl.where(base + 7 < edge, ra, rb)
+        else:
+            r0 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base, bucket), mask=base < rem, other=1.0), s)
+            r1 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 1, bucket), mask=base + 1 < rem, other=1.0), s)
+            r2 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 2, bucket), mask=base + 2 < rem, other=1.0), s)
+            r3 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 3, bucket), mask=base + 3 < rem, other=1.0), s)
+            r4 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 4, bucket), mask=base + 4 < rem, other=1.0), s)
+            r5 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 5, bucket), mask=base + 5 < rem, other=1.0), s)
+            r6 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 6, bucket), mask=base + 6 < rem, other=1.0), s)
+            r7 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 7, bucket), mask=base + 7 < rem, other=1.0), s)
+        f0 = _field_r(v0, r0, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
+        f1 = _field_r(v1, r1, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
+        f2 = _field_r(v2, r2, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
+        f3 = _field_r(v3, r3, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
+        f4 = _field_r(v4, r4, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
+        f5 = _field_r(v5, r5, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
+        f6 = _field_r(v6, r6, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
+        f7 = _field_r(v7, r7, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
+        _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FULL)
+
+
+@_jit
+def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, bucket, s, clip, k1, k2, ctr0,
+                           W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
+                           CLIP: tl.constexpr, WIDE: tl.constexpr):
+    """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits): G
+    groups of eight values (or five trits) a program, a group a thread. BIG: buckets hold at least
+    a program's values, so a program reads two scales and divides twice; else every value finds its
+    bucket with a 32-bit division and divides. Whole programs run unmasked."""
+    PER: tl.constexpr = 5 * G if TRITS else 8 * G
+    first, rem = _span(n, PER)
+    lo0, hi0, nowrap = _counter_halves(ctr0, first, PER)
+    if (rem == PER) & nowrap:
+        _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
+                             W, TRITS, G, BIG, CLIP, WIDE, True)
+    else:
+        _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
+                             W, TRITS, G, BIG, CLIP, WIDE, False)
+
+
+@_jit
+def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                         W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
+                         WIDE: tl.constexpr, FULL: tl.constexpr):
+    """One program of :func:`_maxabs_uniform_encode_kernel`: values ``first + o`` for ``o < rem``.
+    FULL: ``rem`` is the whole program and no counter passes a multiple of 2**32, so nothing is
+    masked and the counters' high half is one value."""
+    NG: tl.constexpr = R * BUCKET // 8
+    base = tl.arange(0, NG) * 8
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FULL)
+    bits = tl.maximum(tl.maximum(tl.maximum(_absbits(v0), _absbits(v1)), tl.maximum(_absbits(v2), _absbits(v3))),
+                      tl.maximum(tl.maximum(_absbits(v4), _absbits(v5)), tl.maximum(_absbits(v6), _absbits(v7))))
+    sc = tl.max(tl.reshape(bits, (R, BUCKET // 8)), axis=1).to(tl.float32, bitcast=True)
+    sc = tl.where(sc < clip, sc, clip)   # (NaN < clip is false: a NaN bucket reads clip; the encode raises)
+    rows = first // BUCKET + tl.arange(0, R)
+    tl.store(scales_ptr + rows, sc, mask=rows < nb)
+    r = tl.reshape(tl.broadcast_to(_recip_s(sc, s)[:, None], (R, BUCKET // 8)), (NG,))
+    f0 = _field_r(v0, r, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
+    f1 = _field_r(v1, r, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
+    f2 = _field_r(v2, r, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
+    f3 = _field_r(v3, r, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
+    f4 = _field_r(v4, r, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
+    f5 = _field_r(v5, r, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
+    f6 = _field_r(v6, r, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
+    f7 = _field_r(v7, r, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
+    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FULL)
 
 
 @_jit
@@ -435,13 +538,9 @@ def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, 
     values (two 16-byte loads, ``tl.split`` in registers), so packing needs no exchange between
     threads; counters are uint32 offsets from the program's first; and a program that is whole and
     whose counters stay below the next multiple of 2**32 (all but at most two) runs unmasked."""
-    pid = tl.program_id(0).to(tl.int64)
-    first = pid * (R * BUCKET)
-    rem = tl.minimum(n - first, R * BUCKET).to(tl.int32)
-    c = ctr0 + first
-    lo0 = (c & 0xFFFFFFFF).to(tl.uint32)
-    hi0 = (c >> 32).to(tl.uint32)
-    if (rem == R * BUCKET) & (lo0 <= 0xFFFFFFFF - R * BUCKET):
+    first, rem = _span(n, R * BUCKET)
+    lo0, hi0, nowrap = _counter_halves(ctr0, first, R * BUCKET)
+    if (rem == R * BUCKET) & nowrap:
         _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
                              W, BUCKET, R, CLIP, WIDE, True)
     else:
@@ -970,8 +1069,9 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
     sc = maxabs_scales(x, bucket, clip) if fused else _vector(scales, nb, "scales", torch.float32, xv.device)
     if n:
         per = 5 if trits else 8
-        _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, d, s, c, k1, k2,
-                ctr0, W=max(width, 1), TRITS=trits, G=_groups())
+        _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, nb, d, s, c, k1,
+                k2, ctr0, W=max(width, 1), TRITS=trits, G=_groups(), BIG=d >= per * _groups(),
+                CLIP=bool(c < np.inf), WIDE=packed.data_ptr() % 4 == 0)
     return packed, sc
 
 
