@@ -59,8 +59,9 @@ def _cases() -> list[tuple]:
                      k1=I, k2=I, lo0=U, hi0=U, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, FULL=C)
     enc_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, bucket=I, s="i32",
                    clip=F, k1=I, k2=I, lo0=U, hi0=U, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C, FULL=C)
-    dec_sig = dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I, nb=I,
-                   bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C)
+    dec_sig = dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
+                   nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C, BIG=C,
+                   WIDE=C, FULL=C)
     cases = [("copy (baseline)", _copy_kernel, dict(x_ptr=PF, y_ptr=PF, n=I, BLOCK=C), dict(BLOCK=1024), 1024, 4)]
     for w in (2, 4, 8):
         cases.append((f"qsgd one-pass encode, {w}-bit, bucket {bucket}", T._maxabs_uniform_body, fused_sig,
@@ -73,10 +74,14 @@ def _cases() -> list[tuple]:
          dict(W=1, TRITS=True, G=G, BIG=True, CLIP=True, WIDE=False, FULL=True), 5 * G, gw),
         ("uniform encode, 4-bit, buckets < a program", T._uniform_encode_body, enc_sig,
          dict(W=4, TRITS=False, G=G, BIG=False, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
-        ("uniform decode, 4-bit", T._uniform_decode_kernel, dec_sig,
-         dict(M=1, W=4, TRITS=False, G=G, CHECK=False), 8 * G, gw),
-        ("uniform decode, trits (checked)", T._uniform_decode_kernel, dec_sig,
-         dict(M=1, W=1, TRITS=True, G=G, CHECK=True), 5 * G, gw),
+        ("uniform decode, 4-bit", T._uniform_decode_body, dec_sig,
+         dict(M=1, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
+        ("uniform decode, 2-bit (checked)", T._uniform_decode_body, dec_sig,
+         dict(M=1, W=2, TRITS=False, G=G, CHECK=True, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
+        ("uniform decode, trits (checked)", T._uniform_decode_body, dec_sig,
+         dict(M=1, W=1, TRITS=True, G=G, CHECK=True, BIG=True, WIDE=False, FULL=True), 5 * G, gw),
+        ("uniform decode mean of 4, 4-bit", T._uniform_decode_body, dec_sig,
+         dict(M=4, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
         ("levels encode, L=5", T._levels_encode_kernel,
          dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, G=C),
          dict(L=5, W=3, G=G), 8 * G, gw),

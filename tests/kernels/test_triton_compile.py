@@ -49,9 +49,14 @@ SCRIPT = textwrap.dedent('''
         for w, bucket, r, clip, wide in [(4, 512, 4, False, True), (8, 8, 1, True, True), (3, 64, 2, False, False),
                                          (2, 4096, 1, False, True), (6, 16, 8, True, False)]
     ] + [
+    ] + [
         ("_uniform_decode_kernel", dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
-         nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C),
-         dict(M=4, W=3, TRITS=False, G=128, CHECK=True), True),
+         nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C, BIG=C, WIDE=C),
+         dict(M=m, W=w, TRITS=trits, G=64, CHECK=check, BIG=big, WIDE=wide), True)
+        for m, w, trits, check, big, wide in [(4, 3, False, True, True, False), (1, 4, False, False, True, True),
+                                              (2, 8, False, False, False, True), (1, 2, False, True, True, True),
+                                              (3, 1, True, True, False, False), (1, 6, False, False, True, False)]
+    ] + [
         ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
          ctr0=I, L=C, W=C, G=C), dict(L=5, W=3, G=128), True),
         ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,

@@ -10,6 +10,8 @@ program in Python.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -319,6 +321,59 @@ def test_encode_with_scales_paths(bucket):
                     ref = R.uniform_encode(x, sc, s, bucket, w, b)
                 assert got is out and same(got, ref), (start, w, shift)
                 assert a.offset == b.offset
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket", [24, 700])
+def test_decode_paths(bucket):
+    """The decode takes the encode's paths (two scales a program or a bucket a value, unmasked whole
+    programs) and loads 2-, 4- and 8-bit groups as words where every payload is 4-byte aligned:
+    one payload aligned or not, and means of three read in place from a shared buffer at a stride
+    that keeps them aligned or not. Same floats as the reference, and corrupt codes found in a
+    whole program and in the last."""
+    per = 8 * T.TUNING["groups"]
+    n = 2 * per + 5
+    x = data(n, 14)
+    sc = R.maxabs_scales(x, bucket)
+    for w, s in [(0, 1), (2, 1), (3, 3), (4, 7), (8, 127)]:
+        if w == 0:
+            packed = R.uniform_encode_trits(x, sc, bucket, 3)
+            dec = functools.partial(T.uniform_decode_trits, bucket=bucket, n=n)
+            ref = functools.partial(R.uniform_decode_trits, bucket=bucket, n=n)
+            mean, ref_mean = T.uniform_decode_trits_mean, R.uniform_decode_trits_mean
+            margs = (bucket, n)
+        else:
+            packed = R.uniform_encode(x, sc, s, bucket, w, 3)
+            dec = functools.partial(T.uniform_decode, s=s, bucket=bucket, width=w, n=n)
+            ref = functools.partial(R.uniform_decode, s=s, bucket=bucket, width=w, n=n)
+            mean, ref_mean = T.uniform_decode_mean, R.uniform_decode_mean
+            margs = (s, bucket, w, n)
+        nbytes = packed.numel()
+        for shift in (0, 1):
+            buf = torch.zeros(nbytes + shift, dtype=torch.uint8)
+            buf[shift:] = packed
+            assert same(dec(buf[shift:], sc), ref(packed, sc)), (w, shift)
+        scs = [sc, sc * 3, sc / 7]
+        for stride in (nbytes + (-nbytes) % 4, nbytes + 1):
+            buf = torch.zeros(3 * stride, dtype=torch.uint8)
+            rows = [buf[k * stride:k * stride + nbytes] for k in range(3)]
+            for k, r in enumerate(rows):
+                r.copy_(packed if k != 1 else packed.flip(0))
+            assert same(mean(rows, scs, *margs), ref_mean([r.clone() for r in rows], scs, *margs)), (w, stride)
+    two_bit = R.uniform_encode(x, sc, 1, bucket, 2, 3)
+    for pos in (5, n - 2):             # a field 3 (not a trit) in a whole program, then in the last
+        bad = two_bit.clone()
+        bad[pos // 4] |= 3 << (2 * (pos % 4))
+        with pytest.raises(PayloadError, match="fields above 2"):
+            T.uniform_decode(bad, sc, 1, bucket, 2, n, max_field=2)
+    assert same(T.uniform_decode(two_bit, sc, 1, bucket, 2, n, max_field=2),
+                R.uniform_decode(two_bit, sc, 1, bucket, 2, n))
+    trits = R.uniform_encode_trits(x, sc, bucket, 3)
+    for pos in (5, trits.numel() - 1):
+        bad = trits.clone()
+        bad[pos] = 250
+        with pytest.raises(PayloadError, match="above 242"):
+            T.uniform_decode_trits(bad, sc, bucket, n)
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")

@@ -549,40 +549,202 @@ def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, 
 
 
 @_jit
+def _unpack8(data_ptr, g, left, W: tl.constexpr, WIDE: tl.constexpr):
+    """The eight W-bit fields (int32) of each group ``g``, from W little-endian bytes a group at
+    ``data_ptr`` (bytes from ``left`` on read 0). WIDE: every group is whole and ``data_ptr`` is
+    4-byte aligned, so 2-, 4- and 8-bit groups come in as one 16- or 32-bit word, or two."""
+    if W == 8:
+        if WIDE:
+            p = data_ptr.to(tl.pointer_type(tl.uint32))
+            lo = tl.load(p + 2 * g)
+            hi = tl.load(p + 2 * g + 1)
+            f0, f1, f2, f3 = lo & 0xFF, (lo >> 8) & 0xFF, (lo >> 16) & 0xFF, lo >> 24
+            f4, f5, f6, f7 = hi & 0xFF, (hi >> 8) & 0xFF, (hi >> 16) & 0xFF, hi >> 24
+        else:
+            f0 = tl.load(data_ptr + g * 8, mask=g * 8 < left, other=0)
+            f1 = tl.load(data_ptr + g * 8 + 1, mask=g * 8 + 1 < left, other=0)
+            f2 = tl.load(data_ptr + g * 8 + 2, mask=g * 8 + 2 < left, other=0)
+            f3 = tl.load(data_ptr + g * 8 + 3, mask=g * 8 + 3 < left, other=0)
+            f4 = tl.load(data_ptr + g * 8 + 4, mask=g * 8 + 4 < left, other=0)
+            f5 = tl.load(data_ptr + g * 8 + 5, mask=g * 8 + 5 < left, other=0)
+            f6 = tl.load(data_ptr + g * 8 + 6, mask=g * 8 + 6 < left, other=0)
+            f7 = tl.load(data_ptr + g * 8 + 7, mask=g * 8 + 7 < left, other=0)
+    else:
+        if W <= 4:
+            if WIDE and W == 4:
+                word = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + g)
+            elif WIDE and W == 2:
+                word = tl.load(data_ptr.to(tl.pointer_type(tl.uint16)) + g).to(tl.uint32)
+            else:
+                word = tl.zeros(g.shape, tl.uint32)
+                for b in tl.static_range(W):
+                    word = word | (tl.load(data_ptr + g * W + b, mask=g * W + b < left, other=0).to(tl.uint32)
+                                   << 8 * b)
+        else:
+            word = tl.zeros(g.shape, tl.uint64)
+            for b in tl.static_range(W):
+                word = word | (tl.load(data_ptr + g * W + b, mask=g * W + b < left, other=0).to(tl.uint64) << 8 * b)
+        m = (1 << W) - 1
+        f0, f1, f2, f3 = word & m, (word >> W) & m, (word >> 2 * W) & m, (word >> 3 * W) & m
+        f4, f5, f6, f7 = (word >> 4 * W) & m, (word >> 5 * W) & m, (word >> 6 * W) & m, (word >> 7 * W) & m
+    return (f0.to(tl.int32), f1.to(tl.int32), f2.to(tl.int32), f3.to(tl.int32), f4.to(tl.int32), f5.to(tl.int32),
+            f6.to(tl.int32), f7.to(tl.int32))
+
+
+@_jit
+def _join4(c0, c1, c2, c3):
+    """``[N, 4]`` from four ``[N]`` columns (the inverse of :func:`_split4`, in registers)."""
+    t = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(t, (c0.shape[0], 4))
+
+
+@_jit
+def _store8(ptr, base, rem, v0, v1, v2, v3, v4, v5, v6, v7, FULL: tl.constexpr):
+    """``ptr[base + j] = v_j`` for groups of eight at ``base``: two 16-byte stores a group (the
+    inverse of :func:`_load8`); without FULL, nothing from offset ``rem`` on."""
+    o = base[:, None] + tl.arange(0, 4)[None, :]
+    if FULL:
+        tl.store(ptr + o, _join4(v0, v1, v2, v3))
+        tl.store(ptr + 4 + o, _join4(v4, v5, v6, v7))
+    else:
+        tl.store(ptr + o, _join4(v0, v1, v2, v3), mask=o < rem)
+        tl.store(ptr + 4 + o, _join4(v4, v5, v6, v7), mask=o + 4 < rem)
+
+
+@_jit
+def _scale_mult(scales_ptr, first, o, rem, nb, bucket, sf, ma, mb, edge, BIG: tl.constexpr):
+    """``scale/s`` of the bucket of each value ``first + o``: with BIG, ``ma`` before offset
+    ``edge`` and ``mb`` from it (:func:`_bucket_split`), else a load and a division a value."""
+    if BIG:
+        return tl.where(o < edge, ma, mb)
+    else:
+        sc = tl.load(scales_ptr + _bucket_of(first, o, bucket), mask=o < rem, other=0.0)
+        return tl.math.div_rn(sc, tl.full(sc.shape, 1.0, tl.float32) * sf)
+
+
+@_jit
+def _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
+                         max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr,
+                         CHECK: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr):
+    """One program of :func:`_uniform_decode_kernel`."""
+    g = tl.arange(0, G)
+    sf = s.to(tl.float32)
+    PER: tl.constexpr = 5 * G if TRITS else 8 * G
+    b0, edge = _bucket_split(first, bucket, PER)
+    nbad = tl.zeros((G,), tl.int32)
+    if TRITS:
+        base = g * 5
+        acc0 = tl.zeros((G,), tl.float32)
+        acc1 = tl.zeros((G,), tl.float32)
+        acc2 = tl.zeros((G,), tl.float32)
+        acc3 = tl.zeros((G,), tl.float32)
+        acc4 = tl.zeros((G,), tl.float32)
+        for j in tl.static_range(M):
+            data = base_ptr + tl.load(offs_ptr + j)
+            byte = tl.load(data + first // 5 + g, mask=first // 5 + g < nbytes, other=0).to(tl.int32)
+            nbad += (byte > 242).to(tl.int32)
+            sj = scales_ptr + j * nb
+            ma = tl.math.div_rn(tl.load(sj + b0), sf)
+            mb = tl.math.div_rn(tl.load(sj + b0 + 1, mask=b0 + 1 < nb, other=0.0), sf)
+            t = byte
+            d0 = ((t % 3) - s).to(tl.float32) * _scale_mult(sj, first, base, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            t = t // 3
+            d1 = ((t % 3) - s).to(tl.float32) * _scale_mult(sj, first, base + 1, rem, nb, bucket, sf, ma, mb, edge,
+                                                             BIG)
+            t = t // 3
+            d2 = ((t % 3) - s).to(tl.float32) * _scale_mult(sj, first, base + 2, rem, nb, bucket, sf, ma, mb, edge,
+                                                             BIG)
+            t = t // 3
+            d3 = ((t % 3) - s).to(tl.float32) * _scale_mult(sj, first, base + 3, rem, nb, bucket, sf, ma, mb, edge,
+                                                             BIG)
+            t = t // 3
+            d4 = ((t % 3) - s).to(tl.float32) * _scale_mult(sj, first, base + 4, rem, nb, bucket, sf, ma, mb, edge,
+                                                             BIG)
+            if j == 0:
+                acc0, acc1, acc2, acc3, acc4 = d0, d1, d2, d3, d4
+            else:
+                acc0, acc1, acc2, acc3, acc4 = acc0 + d0, acc1 + d1, acc2 + d2, acc3 + d3, acc4 + d4
+        if M > 1:
+            acc0 = tl.math.div_rn(acc0, tl.full(acc0.shape, M, tl.float32))
+            acc1 = tl.math.div_rn(acc1, tl.full(acc1.shape, M, tl.float32))
+            acc2 = tl.math.div_rn(acc2, tl.full(acc2.shape, M, tl.float32))
+            acc3 = tl.math.div_rn(acc3, tl.full(acc3.shape, M, tl.float32))
+            acc4 = tl.math.div_rn(acc4, tl.full(acc4.shape, M, tl.float32))
+        tl.store(out_ptr + first + base, acc0, mask=base < rem)
+        tl.store(out_ptr + first + base + 1, acc1, mask=base + 1 < rem)
+        tl.store(out_ptr + first + base + 2, acc2, mask=base + 2 < rem)
+        tl.store(out_ptr + first + base + 3, acc3, mask=base + 3 < rem)
+        tl.store(out_ptr + first + base + 4, acc4, mask=base + 4 < rem)
+    else:
+        base = g * 8
+        bfirst = first // 8 * W
+        a0 = tl.zeros((G,), tl.float32)
+        a1 = tl.zeros((G,), tl.float32)
+        a2 = tl.zeros((G,), tl.float32)
+        a3 = tl.zeros((G,), tl.float32)
+        a4 = tl.zeros((G,), tl.float32)
+        a5 = tl.zeros((G,), tl.float32)
+        a6 = tl.zeros((G,), tl.float32)
+        a7 = tl.zeros((G,), tl.float32)
+        for j in tl.static_range(M):
+            data = base_ptr + tl.load(offs_ptr + j) + bfirst
+            f0, f1, f2, f3, f4, f5, f6, f7 = _unpack8(data, g, nbytes - bfirst, W, WIDE and FULL)
+            if CHECK:
+                if FULL:
+                    nbad += ((f0 > max_field).to(tl.int32) + (f1 > max_field).to(tl.int32)
+                             + (f2 > max_field).to(tl.int32) + (f3 > max_field).to(tl.int32)
+                             + (f4 > max_field).to(tl.int32) + (f5 > max_field).to(tl.int32)
+                             + (f6 > max_field).to(tl.int32) + (f7 > max_field).to(tl.int32))
+                else:
+                    nbad += (((f0 > max_field) & (base < rem)).to(tl.int32)
+                             + ((f1 > max_field) & (base + 1 < rem)).to(tl.int32)
+                             + ((f2 > max_field) & (base + 2 < rem)).to(tl.int32)
+                             + ((f3 > max_field) & (base + 3 < rem)).to(tl.int32)
+                             + ((f4 > max_field) & (base + 4 < rem)).to(tl.int32)
+                             + ((f5 > max_field) & (base + 5 < rem)).to(tl.int32)
+                             + ((f6 > max_field) & (base + 6 < rem)).to(tl.int32)
+                             + ((f7 > max_field) & (base + 7 < rem)).to(tl.int32))
+            sj = scales_ptr + j * nb
+            ma = tl.math.div_rn(tl.load(sj + b0), sf)
+            mb = tl.math.div_rn(tl.load(sj + b0 + 1, mask=b0 + 1 < nb, other=0.0), sf)
+            d0 = (f0 - s).to(tl.float32) * _scale_mult(sj, first, base, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d1 = (f1 - s).to(tl.float32) * _scale_mult(sj, first, base + 1, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d2 = (f2 - s).to(tl.float32) * _scale_mult(sj, first, base + 2, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d3 = (f3 - s).to(tl.float32) * _scale_mult(sj, first, base + 3, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d4 = (f4 - s).to(tl.float32) * _scale_mult(sj, first, base + 4, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d5 = (f5 - s).to(tl.float32) * _scale_mult(sj, first, base + 5, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d6 = (f6 - s).to(tl.float32) * _scale_mult(sj, first, base + 6, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            d7 = (f7 - s).to(tl.float32) * _scale_mult(sj, first, base + 7, rem, nb, bucket, sf, ma, mb, edge, BIG)
+            if j == 0:
+                a0, a1, a2, a3, a4, a5, a6, a7 = d0, d1, d2, d3, d4, d5, d6, d7
+            else:
+                a0, a1, a2, a3 = a0 + d0, a1 + d1, a2 + d2, a3 + d3
+                a4, a5, a6, a7 = a4 + d4, a5 + d5, a6 + d6, a7 + d7
+        if M > 1:
+            mm = tl.full((G,), M, tl.float32)
+            a0, a1, a2, a3 = tl.math.div_rn(a0, mm), tl.math.div_rn(a1, mm), tl.math.div_rn(a2, mm), tl.math.div_rn(a3, mm)
+            a4, a5, a6, a7 = tl.math.div_rn(a4, mm), tl.math.div_rn(a5, mm), tl.math.div_rn(a6, mm), tl.math.div_rn(a7, mm)
+        _store8(out_ptr + first, base, rem, a0, a1, a2, a3, a4, a5, a6, a7, FULL)
+    if CHECK:
+        tl.store(bad_ptr + tl.program_id(0), tl.sum(nbad, axis=0))
+
+
+@_jit
 def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, nbytes, nb, bucket, s,
                            max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr,
-                           CHECK: tl.constexpr):
+                           CHECK: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr):
     """``out = (((d_0 + d_1) + …) / M``, ``d_j = float32(field − s)·(scale_jb / s)``, and, with
-    CHECK, the number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``."""
-    pid = tl.program_id(0)
-    grp = pid.to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    per = 5 if TRITS else 8
-    idx = grp[:, None] * per + k[None, :]
-    ok = (idx < n) & (k[None, :] < per)
-    b = tl.where(ok, idx // bucket, 0)
-    sf = s.to(tl.float32)
-    acc = tl.zeros((G, 8), tl.float32)
-    nbad = tl.zeros((G,), tl.int32)
-    for j in tl.static_range(M):
-        data = base_ptr + tl.load(offs_ptr + j)
-        if TRITS:
-            f, over = _load_trits(data, grp, nbytes)
-            nbad += over.to(tl.int32)
-        else:
-            f = _load_groups(data, grp, nbytes, W)
-            nbad += tl.sum((ok & (f > max_field)).to(tl.int32), axis=1)
-        mult = tl.math.div_rn(tl.load(scales_ptr + j * nb + b, mask=ok, other=0.0), tl.full(b.shape, 1.0, tl.float32) * sf)
-        d = (f - s).to(tl.float32) * mult
-        if j == 0:
-            acc = d
-        else:
-            acc = acc + d
-    if M > 1:
-        acc = tl.math.div_rn(acc, tl.full(acc.shape, M, tl.float32))
-    tl.store(out_ptr + idx, acc, mask=ok)
-    if CHECK:
-        tl.store(bad_ptr + pid, tl.sum(nbad, axis=0))
+    CHECK, the number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``.
+    A group of eight fields (or a byte of trits) a thread; BIG and whole programs as in
+    :func:`_uniform_encode_kernel`. WIDE: every payload's bytes are 4-byte aligned."""
+    PER: tl.constexpr = 5 * G if TRITS else 8 * G
+    first, rem = _span(n, PER)
+    if rem == PER:
+        _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
+                             max_field, M, W, TRITS, G, CHECK, BIG, WIDE, True)
+    else:
+        _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
+                             max_field, M, W, TRITS, G, CHECK, BIG, WIDE, False)
 
 
 @_jit
@@ -1108,25 +1270,29 @@ def _constant(device: torch.device, dtype: torch.dtype, value: int = 0) -> torch
     return _CONSTANTS[key]
 
 
-def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uint8 base tensor and the int64 offset of each payload's bytes from it: one payload itself,
-    the storage several share (a received buffer: no copy), or else their concatenation."""
+def _rows(packed: Sequence[torch.Tensor], nbytes: int, what: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A uint8 base tensor, the int64 offset of each payload's bytes from it (one payload itself,
+    the storage several share (a received buffer: no copy), or else their concatenation), and
+    whether every payload starts at a multiple of 4 bytes (the kernels' word loads)."""
     datas = [_payload(t, nbytes, what) for t in packed]
     if len(datas) == 1:
-        return datas[0], _constant(datas[0].device, torch.int64)
+        return datas[0], _constant(datas[0].device, torch.int64), datas[0].data_ptr() % 4 == 0
     st = packed[0].untyped_storage()
     dev = packed[0].device
     if all(t.untyped_storage().data_ptr() == st.data_ptr() and t.is_contiguous() for t in packed):
         base = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
         offs = [t.storage_offset() for t in packed]
+        aligned = all((base.data_ptr() + o) % 4 == 0 for o in offs)
         step = offs[1] - offs[0]
         if step and offs == list(range(offs[0], offs[0] + step * len(offs), step)):
             # payloads at a fixed stride (a received buffer): offsets made on the device, with no
             # host-to-device copy (one from pageable memory can wait for the stream)
-            return base, torch.arange(offs[0], offs[0] + step * len(offs), step, dtype=torch.int64, device=dev)
-        return base, torch.tensor(offs, dtype=torch.int64, device=dev)
+            return (base, torch.arange(offs[0], offs[0] + step * len(offs), step, dtype=torch.int64, device=dev),
+                    aligned)
+        return base, torch.tensor(offs, dtype=torch.int64, device=dev), aligned
     base = torch.cat(datas)
-    return base, torch.arange(len(packed), dtype=torch.int64, device=dev) * nbytes
+    return (base, torch.arange(len(packed), dtype=torch.int64, device=dev) * nbytes,
+            base.data_ptr() % 4 == 0 and nbytes % 4 == 0)
 
 
 def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
@@ -1138,7 +1304,7 @@ def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
         raise ValueError(f"{len(packed)} packed payloads but {len(scales)} scale vectors")
     trits = width == 0
     nbytes = (n + 4) // 5 if trits else (n * width + 7) // 8
-    base, offs = _rows(packed, nbytes, "trits" if trits else f"{width}-bit codes")
+    base, offs, aligned = _rows(packed, nbytes, "trits" if trits else f"{width}-bit codes")
     d = _bucket(n, bucket)
     nb = _nbuckets(n, d)
     dev = base.device
@@ -1152,7 +1318,7 @@ def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
         bad = torch.zeros(grid[0], dtype=torch.int32, device=dev) if check else _constant(dev, torch.int32)
         _launch(_uniform_decode_kernel, grid, base, offs, sv, res, bad, n, nbytes, nb, d, s,
                 255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=_groups(),
-                CHECK=check)
+                CHECK=check, BIG=d >= per * _groups(), WIDE=aligned)
         if check:  # (a host read)
             nbad = int(bad.sum())
             if nbad:
