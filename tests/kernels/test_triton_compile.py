@@ -58,9 +58,13 @@ SCRIPT = textwrap.dedent('''
                                               (3, 1, True, True, False, False), (1, 6, False, False, True, False)]
     ] + [
         ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
-         ctr0=I, L=C, W=C, G=C), dict(L=5, W=3, G=128), True),
+         ctr0=I, L=C, W=C, G=C, WIDE=C), dict(L=5, W=3, G=64, WIDE=False), True),
+        ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
+         ctr0=I, L=C, W=C, G=C, WIDE=C), dict(L=9, W=4, G=64, WIDE=True), True),
         ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,
-         bucket=I, L="i32", W=C, G=C), dict(W=3, G=128), False),
+         bucket=I, L="i32", W=C, G=C, WIDE=C), dict(W=3, G=64, WIDE=False), False),
+        ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,
+         bucket=I, L="i32", W=C, G=C, WIDE=C), dict(W=4, G=64, WIDE=True), False),
         ("_threshold_kernel", dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, n=I, nbytes=I, bucket=I, G=C), dict(G=128),
          False),
         ("_pb_bits_kernel", dict(x_ptr=PF, b_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I, ctr0=I, G=C),

@@ -377,6 +377,50 @@ def test_decode_paths(bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_level_and_one_bit_paths():
+    """Level rounding, one-bit thresholds, BinGrad-pb's bits and their decodes run a whole program
+    inside one bucket unmasked, with the bucket's levels as scalars, and any other program (one
+    across buckets of 700, the last) masked; counters pass 2**32 inside a program; index words are
+    read and written whole where aligned. Same bytes and floats as the reference, and an index out
+    of range is found in a whole program and in the last."""
+    per = 8 * T.TUNING["groups"]
+    n = 3 * per + 5
+    x = data(n, 15)
+    bucket = 700
+    nb = -(-n // bucket)
+    rows = x.new_zeros(nb * bucket)
+    rows[:n] = x
+    mat = rows.view(nb, bucket)
+    for L, w in [(5, 3), (9, 4)]:
+        lv = R.linear_levels(mat, L)
+        for start, shift in [(0, 0), (2**32 - per - 100, 1)]:
+            a, b = RandomStream(6), RandomStream(6)
+            a.offset = b.offset = start
+            out = torch.zeros((n * w + 7) // 8 + shift, dtype=torch.uint8)[shift:]
+            packed = T.levels_encode(x, lv, bucket, w, a, out=out)
+            assert packed is out and same(packed, R.levels_encode(x, lv, bucket, w, b)), (L, start)
+            assert same(T.levels_decode(packed, lv, bucket, w, n), R.levels_decode(packed, lv, bucket, w, n))
+        for pos in (3, n - 1):
+            bad = R.levels_encode(x, lv, bucket, w, 1).clone()
+            bit = pos * w
+            bad[bit // 8] |= (((1 << w) - 1) << (bit % 8)) & 0xFF   # (an index of all ones: ≥ L)
+            if (bit % 8) + w > 8:
+                bad[bit // 8 + 1] |= ((1 << w) - 1) >> (8 - bit % 8)
+            with pytest.raises(PayloadError, match="out of range"):
+                T.levels_decode(bad, lv, bucket, w, n)
+    t = R.pairwise_row_sum(mat.to(torch.float64)) / bucket
+    bits = T.threshold_encode(x, t, bucket)
+    assert same(bits, R.threshold_encode(x, t, bucket))
+    two = torch.stack([mat.min(dim=1).values, mat.max(dim=1).values], dim=1)
+    assert same(T.bit_decode(bits, two, bucket, n), R.bit_decode(bits, two, bucket, n))
+    assert same(T.bit_decode(bits, two[:, 1], bucket, n), R.bit_decode(bits, two[:, 1], bucket, n))
+    for start in (0, 2**32 - per - 100):
+        a, b = RandomStream(7), RandomStream(7)
+        a.offset = b.offset = start
+        assert same(T.bingrad_pb_encode(x, bucket, a), R.bingrad_pb_encode(x, bucket, b)), start
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_empty_one_value_and_zero_buckets():
     for x in (torch.zeros(0), torch.tensor([2.5]), torch.zeros(64), torch.tensor([-0.0] * 9)):
         n = x.numel()

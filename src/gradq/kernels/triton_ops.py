@@ -748,73 +748,235 @@ def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, 
 
 
 @_jit
-def _levels_encode_kernel(x_ptr, levels_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0,
-                          L: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
-    """Stochastic rounding onto each bucket's sorted row of L levels: ``hi`` = the number of levels
-    below x (torch.searchsorted on a sorted row), ``p = (x − l_lo)/(l_hi − l_lo)``, ``hi if u < p``."""
-    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :]
-    ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    row = tl.where(ok, idx // bucket, 0) * L
-    hi = tl.zeros(idx.shape, tl.int32)
+def _row_of(first, o, rem, bucket, b0, ONE: tl.constexpr):
+    """The bucket of values ``first + o``: ``b0`` for a program inside one bucket (ONE), else each
+    value's (0 for offsets from ``rem`` on, so that a gather by it stays in bounds)."""
+    if ONE:
+        return b0
+    else:
+        return tl.where(o < rem, _bucket_of(first, o, bucket), 0)
+
+
+@_jit
+def _fast(n, bucket, PER: tl.constexpr):
+    """This program's span and bucket, and whether it is whole and inside one bucket (the paths of
+    the kernels below that read per-bucket levels: unmasked, with the levels' row one scalar)."""
+    first, rem = _span(n, PER)
+    b0, edge = _bucket_split(first, bucket, PER)
+    return first, rem, b0, (rem == PER) & (edge == PER)
+
+
+@_jit
+def _level_field(x, lv_ptr, row, u, L: tl.constexpr):
+    """Stochastic rounding of ``x`` onto the sorted row ``row`` of L levels: ``hi`` = the number of
+    levels below x (torch.searchsorted on a sorted row), ``p = (x − l_lo)/(l_hi − l_lo)``, ``hi if u < p``."""
+    lv = lv_ptr + row * L
+    hi = tl.zeros(x.shape, tl.int32)
     for j in tl.static_range(L):
-        hi += (tl.load(levels_ptr + row + j, mask=ok, other=0.0) < x).to(tl.int32)
+        hi += (tl.load(lv + j) < x).to(tl.int32)
     hi = tl.minimum(hi, L - 1)
     lo = tl.maximum(hi - 1, 0)
-    l_hi = tl.load(levels_ptr + row + hi, mask=ok, other=0.0)
-    l_lo = tl.load(levels_ptr + row + lo, mask=ok, other=0.0)
+    l_hi = tl.load(lv + hi)
+    l_lo = tl.load(lv + lo)
     gap = l_hi - l_lo
     p = tl.where(gap > 0.0, tl.math.div_rn(x - l_lo, tl.where(gap > 0.0, gap, 1.0)), 0.0)
-    u = _uniform(ctr0 + idx, k1, k2)
-    f = tl.where(u < p, hi, lo)
-    _store_groups(out_ptr, tl.where(ok, f, 0), grp, nbytes, W)
+    return tl.where(u < p, hi, lo).to(tl.uint32)
+
+
+@_jit
+def _levels_encode_body(x_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0,
+                        L: tl.constexpr, W: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr, FAST: tl.constexpr):
+    base = tl.arange(0, G) * 8
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FAST)
+    f0 = _level_field(v0, levels_ptr, _row_of(first, base, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base, k1, k2, FAST), L)
+    f1 = _level_field(v1, levels_ptr, _row_of(first, base + 1, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 1, k1, k2, FAST), L)
+    f2 = _level_field(v2, levels_ptr, _row_of(first, base + 2, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 2, k1, k2, FAST), L)
+    f3 = _level_field(v3, levels_ptr, _row_of(first, base + 3, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 3, k1, k2, FAST), L)
+    f4 = _level_field(v4, levels_ptr, _row_of(first, base + 4, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 4, k1, k2, FAST), L)
+    f5 = _level_field(v5, levels_ptr, _row_of(first, base + 5, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 5, k1, k2, FAST), L)
+    f6 = _level_field(v6, levels_ptr, _row_of(first, base + 6, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 6, k1, k2, FAST), L)
+    f7 = _level_field(v7, levels_ptr, _row_of(first, base + 7, rem, bucket, b0, FAST),
+                      _uniform_at(lo0, hi0, base + 7, k1, k2, FAST), L)
+    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FAST)
+
+
+@_jit
+def _levels_encode_kernel(x_ptr, levels_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0,
+                          L: tl.constexpr, W: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr):
+    """Level indices (:func:`_level_field`) of every value, packed in W bits: a group of eight a
+    thread; a whole program inside one bucket whose counters do not pass a multiple of 2**32 runs
+    unmasked with its levels' row as scalars."""
+    first, rem, b0, fast = _fast(n, bucket, 8 * G)
+    lo0, hi0, nowrap = _counter_halves(ctr0, first, 8 * G)
+    if fast & nowrap:
+        _levels_encode_body(x_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0, L, W, G,
+                            WIDE, True)
+    else:
+        _levels_encode_body(x_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0, L, W, G,
+                            WIDE, False)
+
+
+@_jit
+def _level_value(f, lv_ptr, row, L, over, o, rem, FAST: tl.constexpr):
+    """The level of index ``f`` in row ``row`` (index 0 where it is out of range) and ``over`` plus
+    whether it is out of range (counted only below offset ``rem`` unless FAST)."""
+    bad = f >= L
+    if not FAST:
+        bad = bad & (o < rem)
+    return tl.load(lv_ptr + row * L + tl.where(f >= L, 0, f)), over + bad.to(tl.int32)
+
+
+@_jit
+def _levels_decode_body(data_ptr, levels_ptr, out_ptr, bad_ptr, first, rem, nbytes, bucket, b0, L,
+                        W: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr, FAST: tl.constexpr):
+    g = tl.arange(0, G)
+    base = g * 8
+    bfirst = first // 8 * W
+    f0, f1, f2, f3, f4, f5, f6, f7 = _unpack8(data_ptr + bfirst, g, nbytes - bfirst, W, WIDE and FAST)
+    over = tl.zeros((G,), tl.int32)
+    v0, over = _level_value(f0, levels_ptr, _row_of(first, base, rem, bucket, b0, FAST), L, over, base, rem, FAST)
+    v1, over = _level_value(f1, levels_ptr, _row_of(first, base + 1, rem, bucket, b0, FAST), L, over, base + 1, rem,
+                            FAST)
+    v2, over = _level_value(f2, levels_ptr, _row_of(first, base + 2, rem, bucket, b0, FAST), L, over, base + 2, rem,
+                            FAST)
+    v3, over = _level_value(f3, levels_ptr, _row_of(first, base + 3, rem, bucket, b0, FAST), L, over, base + 3, rem,
+                            FAST)
+    v4, over = _level_value(f4, levels_ptr, _row_of(first, base + 4, rem, bucket, b0, FAST), L, over, base + 4, rem,
+                            FAST)
+    v5, over = _level_value(f5, levels_ptr, _row_of(first, base + 5, rem, bucket, b0, FAST), L, over, base + 5, rem,
+                            FAST)
+    v6, over = _level_value(f6, levels_ptr, _row_of(first, base + 6, rem, bucket, b0, FAST), L, over, base + 6, rem,
+                            FAST)
+    v7, over = _level_value(f7, levels_ptr, _row_of(first, base + 7, rem, bucket, b0, FAST), L, over, base + 7, rem,
+                            FAST)
+    _store8(out_ptr + first, base, rem, v0, v1, v2, v3, v4, v5, v6, v7, FAST)
+    tl.store(bad_ptr + tl.program_id(0), tl.sum(over, axis=0))
 
 
 @_jit
 def _levels_decode_kernel(data_ptr, levels_ptr, out_ptr, bad_ptr, n, nbytes, bucket, L,
-                          W: tl.constexpr, G: tl.constexpr):
-    pid = tl.program_id(0)
-    grp = pid.to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :]
-    ok = idx < n
-    f = _load_groups(data_ptr, grp, nbytes, W)
-    over = ok & (f >= L)
-    f = tl.where(over, 0, f)
-    v = tl.load(levels_ptr + tl.where(ok, idx // bucket, 0) * L + f, mask=ok, other=0.0)
-    tl.store(out_ptr + idx, v, mask=ok)
-    tl.store(bad_ptr + pid, tl.sum(tl.sum(over.to(tl.int32), axis=1), axis=0))
+                          W: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr):
+    """Each value's level by its W-bit index, and per program the number of indices ``≥ L``."""
+    first, rem, b0, fast = _fast(n, bucket, 8 * G)
+    if fast:
+        _levels_decode_body(data_ptr, levels_ptr, out_ptr, bad_ptr, first, rem, nbytes, bucket, b0, L, W, G, WIDE,
+                            True)
+    else:
+        _levels_decode_body(data_ptr, levels_ptr, out_ptr, bad_ptr, first, rem, nbytes, bucket, b0, L, W, G, WIDE,
+                            False)
+
+
+@_jit
+def _threshold_body(x_ptr, t_ptr, out_ptr, first, rem, nbytes, bucket, b0, G: tl.constexpr, FAST: tl.constexpr):
+    base = tl.arange(0, G) * 8
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FAST)
+    f0 = (v0.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base, rem, bucket, b0, FAST))).to(tl.uint32)
+    f1 = (v1.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST))).to(tl.uint32)
+    f2 = (v2.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST))).to(tl.uint32)
+    f3 = (v3.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST))).to(tl.uint32)
+    f4 = (v4.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST))).to(tl.uint32)
+    f5 = (v5.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST))).to(tl.uint32)
+    f6 = (v6.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST))).to(tl.uint32)
+    f7 = (v7.to(tl.float64) >= tl.load(t_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST))).to(tl.uint32)
+    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, 1, False, FAST)
 
 
 @_jit
 def _threshold_kernel(x_ptr, t_ptr, out_ptr, n, nbytes, bucket, G: tl.constexpr):
     """Bits ``float64(x) >= t[bucket]`` packed 8 per byte (bit i of byte g = element 8g + i)."""
-    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :]
-    ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float64)
-    t = tl.load(t_ptr + tl.where(ok, idx // bucket, 0), mask=ok, other=0.0)
-    _store_groups(out_ptr, tl.where(ok & (x >= t), 1, 0), grp, nbytes, 1)
+    first, rem, b0, fast = _fast(n, bucket, 8 * G)
+    if fast:
+        _threshold_body(x_ptr, t_ptr, out_ptr, first, rem, nbytes, bucket, b0, G, True)
+    else:
+        _threshold_body(x_ptr, t_ptr, out_ptr, first, rem, nbytes, bucket, b0, G, False)
 
 
 @_jit
-def _pb_bits_kernel(x_ptr, b_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0, G: tl.constexpr):
-    """BinGrad-pb's bits ``u < clamp((x + b)/(2·b), 0, 1)`` (1 where ``b = 0``)."""
-    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :]
-    ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    b = tl.load(b_ptr + tl.where(ok, idx // bucket, 0), mask=ok, other=1.0)
+def _pb_bit(x, b, u):
+    """BinGrad-pb's bit ``u < clamp((x + b)/(2·b), 0, 1)`` (1 where ``b = 0``)."""
     safe = tl.where(b > 0.0, b, 1.0)
     p = tl.math.div_rn(x + b, 2.0 * safe)
     p = tl.minimum(tl.maximum(p, 0.0), 1.0)
     p = tl.where(b > 0.0, p, 1.0)
-    u = _uniform(ctr0 + idx, k1, k2)
-    _store_groups(out_ptr, tl.where(ok & (u < p), 1, 0), grp, nbytes, 1)
+    return (u < p).to(tl.uint32)
+
+
+@_jit
+def _pb_bits_body(x_ptr, b_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0, G: tl.constexpr,
+                  FAST: tl.constexpr):
+    base = tl.arange(0, G) * 8
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FAST)
+    f0 = _pb_bit(v0, tl.load(b_ptr + _row_of(first, base, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base, k1, k2, FAST))
+    f1 = _pb_bit(v1, tl.load(b_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 1, k1, k2, FAST))
+    f2 = _pb_bit(v2, tl.load(b_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 2, k1, k2, FAST))
+    f3 = _pb_bit(v3, tl.load(b_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 3, k1, k2, FAST))
+    f4 = _pb_bit(v4, tl.load(b_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 4, k1, k2, FAST))
+    f5 = _pb_bit(v5, tl.load(b_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 5, k1, k2, FAST))
+    f6 = _pb_bit(v6, tl.load(b_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 6, k1, k2, FAST))
+    f7 = _pb_bit(v7, tl.load(b_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST)),
+                 _uniform_at(lo0, hi0, base + 7, k1, k2, FAST))
+    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, 1, False, FAST)
+
+
+@_jit
+def _pb_bits_kernel(x_ptr, b_ptr, out_ptr, n, nbytes, bucket, k1, k2, ctr0, G: tl.constexpr):
+    """BinGrad-pb's bits (:func:`_pb_bit`) packed 8 per byte."""
+    first, rem, b0, fast = _fast(n, bucket, 8 * G)
+    lo0, hi0, nowrap = _counter_halves(ctr0, first, 8 * G)
+    if fast & nowrap:
+        _pb_bits_body(x_ptr, b_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0, G, True)
+    else:
+        _pb_bits_body(x_ptr, b_ptr, out_ptr, first, rem, nbytes, bucket, b0, k1, k2, lo0, hi0, G, False)
+
+
+@_jit
+def _bit_value(bit, lv_ptr, row, PER: tl.constexpr):
+    """A one-bit code's value: level ``bit`` of the bucket's two (PER = 2), else ``±`` its scale."""
+    if PER == 2:
+        return tl.load(lv_ptr + 2 * row + bit)
+    else:
+        return tl.load(lv_ptr + row) * (2 * bit - 1).to(tl.float32)
+
+
+@_jit
+def _bit_decode_body(data_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, PER: tl.constexpr,
+                     G: tl.constexpr, FAST: tl.constexpr):
+    g = tl.arange(0, G)
+    base = g * 8
+    f0, f1, f2, f3, f4, f5, f6, f7 = _unpack8(data_ptr + first // 8, g, nbytes - first // 8, 1, False)
+    v0 = _bit_value(f0, levels_ptr, _row_of(first, base, rem, bucket, b0, FAST), PER)
+    v1 = _bit_value(f1, levels_ptr, _row_of(first, base + 1, rem, bucket, b0, FAST), PER)
+    v2 = _bit_value(f2, levels_ptr, _row_of(first, base + 2, rem, bucket, b0, FAST), PER)
+    v3 = _bit_value(f3, levels_ptr, _row_of(first, base + 3, rem, bucket, b0, FAST), PER)
+    v4 = _bit_value(f4, levels_ptr, _row_of(first, base + 4, rem, bucket, b0, FAST), PER)
+    v5 = _bit_value(f5, levels_ptr, _row_of(first, base + 5, rem, bucket, b0, FAST), PER)
+    v6 = _bit_value(f6, levels_ptr, _row_of(first, base + 6, rem, bucket, b0, FAST), PER)
+    v7 = _bit_value(f7, levels_ptr, _row_of(first, base + 7, rem, bucket, b0, FAST), PER)
+    _store8(out_ptr + first, base, rem, v0, v1, v2, v3, v4, v5, v6, v7, FAST)
+
+
+@_jit
+def _bit_decode_kernel(data_ptr, levels_ptr, out_ptr, n, nbytes, bucket, PER: tl.constexpr, G: tl.constexpr):
+    """Every value of one-bit codes (:func:`_bit_value`)."""
+    first, rem, b0, fast = _fast(n, bucket, 8 * G)
+    if fast:
+        _bit_decode_body(data_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, PER, G, True)
+    else:
+        _bit_decode_body(data_ptr, levels_ptr, out_ptr, first, rem, nbytes, bucket, b0, PER, G, False)
 
 
 @_jit
@@ -1049,21 +1211,6 @@ def _pb_level_kernel(x_ptr, b_ptr, n, bucket, nrows, P: tl.constexpr, LOG: tl.co
     s_k = tl.sum(tl.where(col[None, :] == k[:, None], tail, 0.0), axis=1)       # 0 where k = d
     a_k = tl.sum(tl.where(col[None, :] == k[:, None] - 1, a, 0.0), axis=1)      # 0 where k = 0
     tl.store(b_ptr + row, tl.maximum(s_k / dd, a_k).to(tl.float32), mask=live)
-
-
-@_jit
-def _bit_decode_kernel(data_ptr, levels_ptr, out_ptr, n, nbytes, bucket, PER: tl.constexpr, G: tl.constexpr):
-    grp = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-    k = tl.arange(0, 8)
-    idx = grp[:, None] * 8 + k[None, :]
-    ok = idx < n
-    bit = _load_groups(data_ptr, grp, nbytes, 1)
-    b = tl.where(ok, idx // bucket, 0)
-    if PER == 2:
-        v = tl.load(levels_ptr + 2 * b + bit, mask=ok, other=0.0)
-    else:
-        v = tl.load(levels_ptr + b, mask=ok, other=0.0) * (2 * bit - 1).to(tl.float32)
-    tl.store(out_ptr + idx, v, mask=ok)
 
 
 @_jit
@@ -1430,7 +1577,7 @@ def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], 
     k1, k2, ctr0 = _stream(rng, n)
     if n:
         _launch(_levels_encode_kernel, _grid(-(-n // 8), _groups()), xv, lv, packed, n, nbytes, d, k1, k2, ctr0,
-                L=L, W=width, G=_groups())
+                L=L, W=width, G=_groups(), WIDE=packed.data_ptr() % 4 == 0)
     return packed
 
 
@@ -1445,7 +1592,8 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     if n:
         grid = _grid(-(-n // 8), _groups())
         bad = torch.zeros(grid[0], dtype=torch.int32, device=data.device)
-        _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_groups())
+        _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_groups(),
+                WIDE=data.data_ptr() % 4 == 0)
         if int(bad.sum()):
             raise PayloadError(f"level index out of range [0, {L - 1}]")
     return res
