@@ -256,6 +256,12 @@ def test_multiscale_primitives(n, bucket):
         if n > 1 and len(levels) > 1:
             with pytest.raises(ValueError, match="MIN over workers"):
                 T.multiscale_encode(x, sc, torch.full_like(idx, len(levels) - 1), levels, bucket, w, iw, 0)
+        if len(levels) == 3:           # index 3 names no scale: in a whole program (n = 700) and in the last
+            for pos in {min(1, n - 1), n - 1}:
+                bad = ref[1].clone()
+                bad[pos * iw // 8] |= 3 << (pos * iw % 8)
+                with pytest.raises(PayloadError, match="corrupt scale index"):
+                    T.multiscale_decode(ref[0], bad, sc, levels, bucket, w, iw, n)
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
