@@ -163,3 +163,27 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path):
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
     kernels = {name for mod in (T, E) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
+
+
+def test_element_wise_kernels_stay_lean(tmp_path):
+    """benchmarks/bench_sass.py counts the sm_90 instructions a value on a whole program's path.
+    The bounds hold the layout of docs/performance.md ("Fewer instructions a value"): 40.4 for the
+    4-bit QSGD encode and 21.0 for the 4-bit decode when written. A group of eight spread over
+    threads again (three rounds of 64-bit shuffles and adds a group) or a division a value (about
+    ten instructions) would put them above 45 and 25."""
+    import re
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_sass.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(GRADQ_TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    proc = subprocess.run([sys.executable, script, "--kernel", "one-pass encode, 4-bit", "--kernel",
+                           "uniform decode, 4-bit"], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 2 and "nvdisasm not found" in proc.stderr:
+        pytest.skip("triton's nvdisasm is not available here")
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    per = {m.group(1).strip(): float(m.group(2)) for m in
+           re.finditer(r"^(\S.*?)\s+\d+\s+\d+\s+\d+\s+\d+\s+([\d.]+)\s+[\d.]+$", proc.stdout, re.M)}
+    assert "copy (baseline)" in per, proc.stdout
+    assert per["qsgd one-pass encode, 4-bit, bucket 512"] <= 45, proc.stdout
+    assert per["uniform decode, 4-bit"] <= 25, proc.stdout

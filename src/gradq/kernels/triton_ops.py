@@ -14,9 +14,15 @@ How the kernels reproduce the reference:
 * **Float operations.** They run in the reference's order, in float32. Divisions are correctly
   rounded (``div_rn``), and launches pass ``enable_fp_fusion=False`` so that no multiply-add is
   contracted into an FMA (which would round once instead of twice).
-* **Packing.** Eight ``w``-bit fields form ``w`` bytes of one little-endian int64 word, as in
+* **Packing.** Eight ``w``-bit fields form ``w`` bytes of one little-endian word, as in
   :mod:`gradq.codecs.bitpack`; trits go five to a byte. A program owns whole groups, so no two
   programs write one byte.
+* **Layout of the element-wise kernels.** A thread takes whole groups of eight values (two 16-byte
+  loads split in registers with ``tl.split``, so packing needs no exchange between threads) or a
+  byte of five trits. Counters are uint32 offsets from the program's first. Per-bucket scales and
+  levels are read once a program where a program lies in one or two buckets. A whole program (and
+  for per-bucket levels, one inside a bucket) runs with no masks; the others take a masked path
+  that gives the same bytes. ``benchmarks/bench_sass.py`` counts the instructions a value.
 * **Encodes.**
   - QSGD with the max norm and a power-of-two bucket of 8 to 4096 values is fused into one pass:
     each program reads its buckets once, and writes their scales and bytes.
