@@ -56,7 +56,7 @@ def _cases() -> list[tuple]:
     bucket = 512
     r = max(1, T.TUNING["fused_elems"] // bucket)
     fused_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, s="i32", clip=F,
-                     k1=I, k2=I, lo0=U, hi0=U, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, FULL=C)
+                     k1=I, k2=I, lo0=U, hi0=U, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, FULL=C, L2=C)
     enc_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, bucket=I, s="i32",
                    clip=F, k1=I, k2=I, lo0=U, hi0=U, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C, FULL=C)
     dec_sig = dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
@@ -64,9 +64,12 @@ def _cases() -> list[tuple]:
                    WIDE=C, FULL=C)
     cases = [("copy (baseline)", _copy_kernel, dict(x_ptr=PF, y_ptr=PF, n=I, BLOCK=C), dict(BLOCK=1024), 1024, 4)]
     for w in (2, 4, 8):
-        cases.append((f"qsgd one-pass encode, {w}-bit, bucket {bucket}", T._maxabs_uniform_body, fused_sig,
-                      dict(W=w, BUCKET=bucket, R=r, CLIP=False, WIDE=True, FULL=True), r * bucket,
+        cases.append((f"qsgd one-pass encode, {w}-bit, bucket {bucket}", T._norm_uniform_body, fused_sig,
+                      dict(W=w, BUCKET=bucket, R=r, CLIP=False, WIDE=True, FULL=True, L2=False), r * bucket,
                       T.TUNING["fused_warps"]))
+    cases.append(("qsgd one-pass encode, 4-bit, L2 norm", T._norm_uniform_body, fused_sig,
+                  dict(W=4, BUCKET=bucket, R=r, CLIP=False, WIDE=True, FULL=True, L2=True), r * bucket,
+                  T.TUNING["fused_warps"]))
     cases += [
         ("uniform encode (scales given), 4-bit", T._uniform_encode_body, enc_sig,
          dict(W=4, TRITS=False, G=G, BIG=True, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
@@ -102,6 +105,11 @@ def _cases() -> list[tuple]:
          dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
               nbytes=I, ibytes=I, bucket=I, b0=I, L=C, W=C, IW=C, G=C, WIDE=C, FAST=C),
          dict(L=2, W=2, IW=1, G=G, WIDE=True, FAST=True), 8 * G, gw),
+        ("max-abs per bucket (MaxNorm's first pass)", T._maxabs_bits_kernel,
+         dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C), dict(ROWS=8, COLS=512), 4096, 4),
+        ("TernGrad's moments and max-abs, blocks of 4096", T._block_moments_kernel,
+         dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, n=I, BLOCK=C), dict(BLOCK=4096),
+         4096, 4),
         ("one-bit decode", T._bit_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, first=I, rem="i32", nbytes=I, bucket=I, b0=I, PER=C, G=C,
               FAST=C), dict(PER=1, G=G, FAST=True), 8 * G, gw),

@@ -44,7 +44,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 GROUPS = {
     "stats": (["signsgd", "onebit:ef=0", "bingrad-b"], "_binary_stats_kernel",
               [dict(stats_elems=e, stats_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
-    "fused": (["qsgd:bits=4,bucket=512"], "_maxabs_uniform_encode_kernel",
+    "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4, 8)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",
                [dict(groups=g, groups_warps=w) for g in (64, 128, 256) for w in (2, 4, 8)]),

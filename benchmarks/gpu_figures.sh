@@ -54,7 +54,7 @@ step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovide
   tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
 if command -v ncu >/dev/null; then
   step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    -k "regex:_binary_stats_kernel|_linear_levels_kernel|_maxabs_uniform_encode_kernel|_orq_levels_kernel|_pb_level_kernel|_elias_\w+_kernel" \
+    -k "regex:_binary_stats_kernel|_linear_levels_kernel|_norm_uniform_encode_kernel|_orq_levels_kernel|_pb_level_kernel|_elias_\w+_kernel" \
     -c 12 "$PY" -c "
 import torch, gradq
 x = torch.randn(25_000_000, device='cuda')

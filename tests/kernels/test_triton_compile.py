@@ -40,29 +40,23 @@ SCRIPT = textwrap.dedent('''
          clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C),
          dict(W=w, TRITS=trits, G=64, BIG=big, CLIP=clip, WIDE=wide), True)
         for w, trits, big, clip, wide in [(4, False, True, False, True), (3, False, False, True, False),
-                                          (1, True, True, True, False), (1, True, False, False, False),
-                                          (8, False, False, False, True)]
+                                          (1, True, True, True, False)]
     ] + [
-        ("_maxabs_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
-         clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C),
-         dict(W=w, BUCKET=bucket, R=r, CLIP=clip, WIDE=wide), True)
-        for w, bucket, r, clip, wide in [(4, 512, 4, False, True), (8, 8, 1, True, True), (3, 64, 2, False, False),
-                                         (2, 4096, 1, False, True), (6, 16, 8, True, False)]
+        ("_norm_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
+         clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, L2=C),
+         dict(W=w, BUCKET=bucket, R=r, CLIP=clip, WIDE=wide, L2=l2), True)
+        for w, bucket, r, clip, wide, l2 in [(4, 512, 4, False, True, False), (3, 64, 2, True, False, False),
+                                             (8, 512, 4, False, True, True)]
     ] + [
     ] + [
         ("_uniform_decode_kernel", dict(base_ptr=P8, offs_ptr=PI64, scales_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C, BIG=C, WIDE=C),
          dict(M=m, W=w, TRITS=trits, G=64, CHECK=check, BIG=big, WIDE=wide), True)
-        for m, w, trits, check, big, wide in [(4, 3, False, True, True, False), (1, 4, False, False, True, True),
-                                              (2, 8, False, False, False, True), (1, 2, False, True, True, True),
-                                              (3, 1, True, True, False, False), (1, 6, False, False, True, False)]
+        for m, w, trits, check, big, wide in [(4, 3, False, True, True, False), (1, 8, False, False, False, True),
+                                              (3, 1, True, True, False, False)]
     ] + [
         ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
-         ctr0=I, L=C, W=C, G=C, WIDE=C), dict(L=5, W=3, G=64, WIDE=False), True),
-        ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
          ctr0=I, L=C, W=C, G=C, WIDE=C), dict(L=9, W=4, G=64, WIDE=True), True),
-        ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,
-         bucket=I, L="i32", W=C, G=C, WIDE=C), dict(W=3, G=64, WIDE=False), False),
         ("_levels_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I, nbytes=I,
          bucket=I, L="i32", W=C, G=C, WIDE=C), dict(W=4, G=64, WIDE=True), False),
         ("_threshold_kernel", dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, n=I, nbytes=I, bucket=I, G=C), dict(G=128),
@@ -83,14 +77,10 @@ SCRIPT = textwrap.dedent('''
          dict(L=2, BLOCK=1024), True),
         ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
          bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C),
-         dict(L=2, W=2, IW=1, G=64, WIDE=True), True),
-        ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
-         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C),
          dict(L=4, W=3, IW=2, G=64, WIDE=False), True),
         ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=2, IW=1, G=64, WIDE=True), True),
-        ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
-         nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=1, W=4, IW=0, G=64, WIDE=False), True),
+
     ] + [
         ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF64, lv_ptr=PF, buf_ptr=PF64, nrows=I, w=I, MODE=C, ITERS=C,
          D=C, LOG=C, ROWS=C, TAIL=C), dict(MODE=mode, ITERS=iters, D=d, LOG=d.bit_length() - 1,

@@ -72,6 +72,9 @@ def test_uniform_primitives(n, bucket):
         enc = T.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))
         ref = R.maxabs_uniform_encode(x, s, bucket, w, RandomStream(n))
         assert same(enc, ref), (s, w)
+        if w == 4:
+            assert same(T.l2_uniform_encode(x, s, bucket, w, RandomStream(n)),
+                        R.l2_uniform_encode(x, s, bucket, w, RandomStream(n))), (s, w)
         packed, sc = ref
         assert same(T.uniform_encode(x, sc * 1.5, s, bucket, w, 3), R.uniform_encode(x, sc * 1.5, s, bucket, w, 3))
         assert same(T.uniform_decode(packed, sc, s, bucket, w, n), R.uniform_decode(packed, sc, s, bucket, w, n))
@@ -299,6 +302,9 @@ def test_one_pass_encode_paths():
                 out = torch.full((nbytes + shift,), 0xA5, dtype=torch.uint8)[shift:]
                 got = T.maxabs_uniform_encode(x, s, 64, w, a, out=out)
                 assert got[0] is out and same(got, R.maxabs_uniform_encode(x, s, 64, w, b)), (start, w, shift)
+                if w in (3, 4):
+                    got = T.l2_uniform_encode(x, s, 64, w, a, out=out)
+                    assert got[0] is out and same(got, R.l2_uniform_encode(x, s, 64, w, b)), (start, w, shift)
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")

@@ -42,7 +42,7 @@ from . import levels as _numba_levels
 
 __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_backend", "backend_for",
            "process_threads", "maxabs_scales", "l2_scales", "uniform_encode", "uniform_encode_trits",
-           "maxabs_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
+           "maxabs_uniform_encode", "l2_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
@@ -219,6 +219,14 @@ def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width:
     """:func:`maxabs_scales` and :func:`uniform_encode` fused (QSGD with ``norm=max``): each bucket's
     norm, codes and bytes in one pass where the backend can. Returns ``(packed, scales)``."""
     return _impl("maxabs_uniform_encode", x)(x, s, bucket, width, rng, clip, out)
+
+
+def l2_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`l2_scales` and :func:`uniform_encode` fused (QSGD with ``norm=l2``): each bucket's norm,
+    codes and bytes in one pass where the backend can (Triton: power-of-two buckets of 8 to 4096
+    values). Returns ``(packed, scales)``."""
+    return _impl("l2_uniform_encode", x)(x, s, bucket, width, rng, out)
 
 
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,

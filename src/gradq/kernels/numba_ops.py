@@ -171,6 +171,13 @@ def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width:
     return _uniform(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, True)
 
 
+def l2_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`l2_scales`, then :func:`uniform_encode` under them (QSGD with ``norm=l2``)."""
+    scales = l2_scales(x, bucket)
+    return uniform_encode(x, scales, s, bucket, width, rng, None, out), scales
+
+
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,
                          clip: Optional[float] = None,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ __all__ = [
     "round_to_levels", "check_level_count", "linear_positions", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
     "bingrad_b_levels",
     # the kernel API
-    "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "uniform_encode_trits", "uniform_decode",
+    "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "l2_uniform_encode", "uniform_encode_trits", "uniform_decode",
     "uniform_decode_trits", "uniform_decode_mean", "uniform_decode_trits_mean", "terngrad_stats",
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
@@ -401,6 +401,13 @@ def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width:
     """:func:`maxabs_scales`, then :func:`uniform_encode` under them; ``(packed, scales)``."""
     scales = maxabs_scales(x, bucket, clip)
     return uniform_encode(x, scales, s, bucket, width, rng, clip, out), scales
+
+
+def l2_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`l2_scales`, then :func:`uniform_encode` under them; ``(packed, scales)``."""
+    scales = l2_scales(x, bucket)
+    return uniform_encode(x, scales, s, bucket, width, rng, None, out), scales
 
 
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,

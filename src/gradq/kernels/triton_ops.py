@@ -384,7 +384,7 @@ def _bucket_of(first, o, bucket):
 def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
                          W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
                          CLIP: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr):
-    """One program of :func:`_uniform_encode_kernel` (FULL: as in :func:`_maxabs_uniform_body`)."""
+    """One program of :func:`_uniform_encode_kernel` (FULL: as in :func:`_norm_uniform_body`)."""
     g = tl.arange(0, G)
     if TRITS:   # a byte of five trits per group: five loads at a stride of five values
         PER: tl.constexpr = 5 * G
@@ -465,19 +465,31 @@ def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, bucket, s,
 
 
 @_jit
-def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
-                         W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
-                         WIDE: tl.constexpr, FULL: tl.constexpr):
-    """One program of :func:`_maxabs_uniform_encode_kernel`: values ``first + o`` for ``o < rem``.
+def _sq64(v):
+    w = v.to(tl.float64)
+    return w * w
+
+
+@_jit
+def _norm_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                       W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
+                       WIDE: tl.constexpr, FULL: tl.constexpr, L2: tl.constexpr):
+    """One program of :func:`_norm_uniform_encode_kernel`: values ``first + o`` for ``o < rem``.
     FULL: ``rem`` is the whole program and no counter passes a multiple of 2**32, so nothing is
     masked and the counters' high half is one value."""
     NG: tl.constexpr = R * BUCKET // 8
     base = tl.arange(0, NG) * 8
     v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FULL)
-    bits = tl.maximum(tl.maximum(tl.maximum(_absbits(v0), _absbits(v1)), tl.maximum(_absbits(v2), _absbits(v3))),
-                      tl.maximum(tl.maximum(_absbits(v4), _absbits(v5)), tl.maximum(_absbits(v6), _absbits(v7))))
-    sc = tl.max(tl.reshape(bits, (R, BUCKET // 8)), axis=1).to(tl.float32, bitcast=True)
-    sc = tl.where(sc < clip, sc, clip)   # (NaN < clip is false: a NaN bucket reads clip; the encode raises)
+    if L2:   # float32(sqrt(Σ float64(x)²)), finite roots above FLOAT32_MAX held to it (reference.saturate_norm)
+        q = _sq64(v0) + _sq64(v1) + _sq64(v2) + _sq64(v3) + _sq64(v4) + _sq64(v5) + _sq64(v6) + _sq64(v7)
+        root = tl.sqrt(tl.sum(tl.reshape(q, (R, BUCKET // 8)), axis=1))   # (float64: sqrt.rn.f64)
+        sc = tl.where((root > 3.4028234663852886e38) & (root - root == 0.0), 3.4028234663852886e38, root)
+        sc = sc.to(tl.float32)
+    else:
+        bits = tl.maximum(tl.maximum(tl.maximum(_absbits(v0), _absbits(v1)), tl.maximum(_absbits(v2), _absbits(v3))),
+                          tl.maximum(tl.maximum(_absbits(v4), _absbits(v5)), tl.maximum(_absbits(v6), _absbits(v7))))
+        sc = tl.max(tl.reshape(bits, (R, BUCKET // 8)), axis=1).to(tl.float32, bitcast=True)
+        sc = tl.where(sc < clip, sc, clip)   # (NaN < clip is false: a NaN bucket reads clip; the encode raises)
     rows = first // BUCKET + tl.arange(0, R)
     tl.store(scales_ptr + rows, sc, mask=rows < nb)
     r = tl.reshape(tl.broadcast_to(_recip_s(sc, s)[:, None], (R, BUCKET // 8)), (NG,))
@@ -493,22 +505,23 @@ def _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, 
 
 
 @_jit
-def _maxabs_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, clip, k1, k2, ctr0,
-                                  W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
-                                  WIDE: tl.constexpr):
+def _norm_uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, s, clip, k1, k2, ctr0,
+                                W: tl.constexpr, BUCKET: tl.constexpr, R: tl.constexpr, CLIP: tl.constexpr,
+                                WIDE: tl.constexpr, L2: tl.constexpr):
     """QSGD in one pass: R whole buckets of BUCKET (a power of two, a multiple of 8) values per
-    program — their max-abs, then their fields, packed. Each thread takes whole groups of eight
-    values (two 16-byte loads, ``tl.split`` in registers), so packing needs no exchange between
-    threads; counters are uint32 offsets from the program's first; and a program that is whole and
-    whose counters stay below the next multiple of 2**32 (all but at most two) runs unmasked."""
+    program — their norm (max-abs, or with L2 the float64 root of the sum of squares), then their
+    fields, packed. Each thread takes whole groups of eight values (two 16-byte loads,
+    ``tl.split`` in registers), so packing needs no exchange between threads; counters are uint32
+    offsets from the program's first; and a program that is whole and whose counters stay below
+    the next multiple of 2**32 (all but at most two) runs unmasked."""
     first, rem = _span(n, R * BUCKET)
     lo0, hi0, nowrap = _counter_halves(ctr0, first, R * BUCKET)
     if (rem == R * BUCKET) & nowrap:
-        _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
-                             W, BUCKET, R, CLIP, WIDE, True)
+        _norm_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                           W, BUCKET, R, CLIP, WIDE, True, L2)
     else:
-        _maxabs_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
-                             W, BUCKET, R, CLIP, WIDE, False)
+        _norm_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, clip, k1, k2, lo0, hi0,
+                           W, BUCKET, R, CLIP, WIDE, False, L2)
 
 
 @_jit
@@ -1405,7 +1418,9 @@ def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor
     return res
 
 
-def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
+def _encode(x, scales, s, bucket, width, rng, clip, out, fused, l2=False):
+    """The encodes of uniform codes: under given ``scales``, or ``fused`` with their per-bucket norm
+    (max-abs, or ``l2``) in one pass where the bucket allows, else the norm pass first."""
     xv = _flat(x, "x", torch.float32)
     n = xv.numel()
     d = _bucket(n, bucket)
@@ -1419,11 +1434,14 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused):
         sc = torch.empty(nb, dtype=torch.float32, device=xv.device)
         if n:
             r = max(1, TUNING["fused_elems"] // d)
-            _launch(_maxabs_uniform_encode_kernel, _grid(nb, r), xv, sc, packed, n, nbytes, nb, s, c, k1, k2, ctr0,
-                    W=width, BUCKET=d, R=r, CLIP=bool(c < np.inf), WIDE=packed.data_ptr() % 4 == 0,
+            _launch(_norm_uniform_encode_kernel, _grid(nb, r), xv, sc, packed, n, nbytes, nb, s, c, k1, k2, ctr0,
+                    W=width, BUCKET=d, R=r, CLIP=bool(c < np.inf), WIDE=packed.data_ptr() % 4 == 0, L2=l2,
                     num_warps=TUNING["fused_warps"])
         return packed, sc
-    sc = maxabs_scales(x, bucket, clip) if fused else _vector(scales, nb, "scales", torch.float32, xv.device)
+    if fused:
+        sc = l2_scales(x, bucket) if l2 else maxabs_scales(x, bucket, clip)
+    else:
+        sc = _vector(scales, nb, "scales", torch.float32, xv.device)
     if n:
         per = 5 if trits else 8
         _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, nb, d, s, c, k1,
@@ -1444,6 +1462,12 @@ def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width:
                           out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gradq.kernels.reference.maxabs_uniform_encode` (one pass for power-of-two buckets)."""
     return _encode(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, True)
+
+
+def l2_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gradq.kernels.reference.l2_uniform_encode` (one pass for power-of-two buckets)."""
+    return _encode(x, None, _levels_s(s, _width(width)), bucket, width, rng, None, out, True, l2=True)
 
 
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,

@@ -160,11 +160,8 @@ class QSGD(Quantizer):
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if self.coding == "fixed":
-            if self.norm == "max":  # norm, quantize and pack fused per bucket
-                packed, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, self.width, ctx.rng)
-            else:
-                scales = kernels.l2_scales(v, self.bucket)
-                packed = kernels.uniform_encode(v, scales, self.s, self.bucket, self.width, ctx.rng)
+            fused = kernels.maxabs_uniform_encode if self.norm == "max" else kernels.l2_uniform_encode
+            packed, scales = fused(v, self.s, self.bucket, self.width, ctx.rng)   # norm, quantize, pack per bucket
             return {"codes": packed, "scales": scales}
         if self.coding != "ans" and self.s <= 127:
             # the codes as uint8 fields c + s from the fixed-width kernels (the same randomness),
@@ -173,11 +170,8 @@ class QSGD(Quantizer):
 
             # on the CPU the fields go to this thread's buffer: they live only until they are streamed
             out = field_buffer(v.numel()) if v.device.type == "cpu" else None
-            if self.norm == "max":  # norm and codes fused per bucket, as the fixed coding
-                fields, scales = kernels.maxabs_uniform_encode(v, self.s, self.bucket, 8, ctx.rng, out=out)
-            else:
-                scales = kernels.l2_scales(v, self.bucket)
-                fields = kernels.uniform_encode(v, scales, self.s, self.bucket, 8, ctx.rng, out=out)
+            fused = kernels.maxabs_uniform_encode if self.norm == "max" else kernels.l2_uniform_encode
+            fields, scales = fused(v, self.s, self.bucket, 8, ctx.rng, out=out)   # norm and codes per bucket
             # built where the fields are (the same bytes on every backend): the codes stay on the device
             stream, index = kernels.elias_fields_stream(fields, self.s, _LAYOUT[self.coding])
             return self._stream_payload(stream, index, scales, v.device)
