@@ -348,6 +348,23 @@ def _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbyte
 
 
 @_jit
+def _encode8(v0, v1, v2, v3, v4, v5, v6, v7, r0, r1, r2, r3, r4, r5, r6, r7, s, clip, k1, k2, lo0, hi0,
+             out_ptr, first, base, rem, nbytes, W: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr,
+             CLIP: tl.constexpr):
+    """The uniform fields (:func:`_field_r`) of groups of eight values ``v_j`` at offsets ``base + j``
+    under multipliers ``r_j``, packed by :func:`_pack8_tail`."""
+    f0 = _field_r(v0, r0, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
+    f1 = _field_r(v1, r1, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
+    f2 = _field_r(v2, r2, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
+    f3 = _field_r(v3, r3, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
+    f4 = _field_r(v4, r4, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
+    f5 = _field_r(v5, r5, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
+    f6 = _field_r(v6, r6, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
+    f7 = _field_r(v7, r7, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
+    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FULL)
+
+
+@_jit
 def _span(n, PER: tl.constexpr):
     """This program's values: the first one's index (int64) and how many there are (int32, ≤ PER)."""
     first = tl.program_id(0).to(tl.int64) * PER
@@ -434,15 +451,8 @@ def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, buc
             r5 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 5, bucket), mask=base + 5 < rem, other=1.0), s)
             r6 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 6, bucket), mask=base + 6 < rem, other=1.0), s)
             r7 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 7, bucket), mask=base + 7 < rem, other=1.0), s)
-        f0 = _field_r(v0, r0, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
-        f1 = _field_r(v1, r1, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
-        f2 = _field_r(v2, r2, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
-        f3 = _field_r(v3, r3, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
-        f4 = _field_r(v4, r4, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
-        f5 = _field_r(v5, r5, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
-        f6 = _field_r(v6, r6, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
-        f7 = _field_r(v7, r7, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
-        _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FULL)
+        _encode8(v0, v1, v2, v3, v4, v5, v6, v7, r0, r1, r2, r3, r4, r5, r6, r7, s, clip, k1, k2, lo0, hi0,
+                 out_ptr, first, base, rem, nbytes, W, WIDE, FULL, CLIP)
 
 
 @_jit
@@ -493,15 +503,8 @@ def _norm_uniform_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, s, cl
     rows = first // BUCKET + tl.arange(0, R)
     tl.store(scales_ptr + rows, sc, mask=rows < nb)
     r = tl.reshape(tl.broadcast_to(_recip_s(sc, s)[:, None], (R, BUCKET // 8)), (NG,))
-    f0 = _field_r(v0, r, s, clip, _uniform_at(lo0, hi0, base, k1, k2, FULL), CLIP).to(tl.uint32)
-    f1 = _field_r(v1, r, s, clip, _uniform_at(lo0, hi0, base + 1, k1, k2, FULL), CLIP).to(tl.uint32)
-    f2 = _field_r(v2, r, s, clip, _uniform_at(lo0, hi0, base + 2, k1, k2, FULL), CLIP).to(tl.uint32)
-    f3 = _field_r(v3, r, s, clip, _uniform_at(lo0, hi0, base + 3, k1, k2, FULL), CLIP).to(tl.uint32)
-    f4 = _field_r(v4, r, s, clip, _uniform_at(lo0, hi0, base + 4, k1, k2, FULL), CLIP).to(tl.uint32)
-    f5 = _field_r(v5, r, s, clip, _uniform_at(lo0, hi0, base + 5, k1, k2, FULL), CLIP).to(tl.uint32)
-    f6 = _field_r(v6, r, s, clip, _uniform_at(lo0, hi0, base + 6, k1, k2, FULL), CLIP).to(tl.uint32)
-    f7 = _field_r(v7, r, s, clip, _uniform_at(lo0, hi0, base + 7, k1, k2, FULL), CLIP).to(tl.uint32)
-    _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, first, base, rem, nbytes, W, WIDE, FULL)
+    _encode8(v0, v1, v2, v3, v4, v5, v6, v7, r, r, r, r, r, r, r, r, s, clip, k1, k2, lo0, hi0,
+             out_ptr, first, base, rem, nbytes, W, WIDE, FULL, CLIP)
 
 
 @_jit
