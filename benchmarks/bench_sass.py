@@ -10,6 +10,9 @@ ships with Triton and divides the kernel's instructions by the values each threa
 
     python benchmarks/bench_sass.py [--kernel SUBSTRING ...] [--ops]
 
+It also prints the registers a thread uses (``cuobjdump --dump-resource-usage``), which bound how
+many warps an SM can hold to hide latency.
+
 Kernels with an unmasked path for whole programs (the one-pass QSGD encode) are counted on that
 path, which every program but the last runs. A Triton copy kernel (16-byte loads and stores), the
 memory-bound baseline, is counted in the same run. A static count is not a time: the mix of
@@ -39,6 +42,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+CUOBJDUMP = os.path.join(os.path.dirname(NVDISASM), "cuobjdump")
 PF, P8, P32, PF64, PI64, I, U, F, C = "*fp32", "*u8", "*i32", "*fp64", "*i64", "i64", "u32", "fp32", "constexpr"
 SIZES = ("n", "nbytes", "nb", "first", "left")   # size arguments: divisible by 16 for a 25M-value tensor
 
@@ -144,9 +148,10 @@ def _path(sass: str) -> list[str]:
     return path
 
 
-def count(fn, sig: dict, consts: dict, warps: int, workdir: str) -> tuple[int, int, collections.Counter]:
+def count(fn, sig: dict, consts: dict, warps: int, workdir: str) -> tuple[int, int, collections.Counter, str]:
     """``fn`` compiled for sm_90 as a launch would: its SASS instructions, those on the common path
-    (:func:`_path`), and that path's opcodes."""
+    (:func:`_path`), that path's opcodes, and the registers a thread uses (which bound how many
+    warps an SM holds)."""
     names = list(fn.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*") or (a in SIZES and t != C)}
@@ -159,7 +164,9 @@ def count(fn, sig: dict, consts: dict, warps: int, workdir: str) -> tuple[int, i
     total = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln) and "NOP" not in ln)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in _path(sass))
     ops.pop("NOP;", None)
-    return total, sum(ops.values()), ops
+    res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return total, sum(ops.values()), ops, regs.group(1) if regs else "?"
 
 
 def main(argv=None) -> int:
@@ -175,13 +182,14 @@ def main(argv=None) -> int:
         for label, fn, sig, consts, per_program, warps in _cases():
             if args.kernel and not any(k in label for k in args.kernel) and "baseline" not in label:
                 continue
-            total, common, ops = count(fn, sig, consts, warps, tmp)
+            total, common, ops, regs = count(fn, sig, consts, warps, tmp)
             per_value = common / (per_program / (32 * warps))
-            rows.append((label, per_program, warps, total, common, per_value, ops))
-    base = rows[0][5]
-    print(f"{'kernel':<42} {'values/prog':>11} {'warps':>5} {'SASS':>6} {'path':>6} {'per value':>9} {'x copy':>7}")
-    for label, per_program, warps, total, common, per_value, ops in rows:
-        print(f"{label:<42} {per_program:>11} {warps:>5} {total:>6} {common:>6} {per_value:>9.1f} "
+            rows.append((label, per_program, warps, regs, total, common, per_value, ops))
+    base = rows[0][6]
+    print(f"{'kernel':<42} {'values/prog':>11} {'warps':>5} {'regs':>4} {'SASS':>6} {'path':>6} {'per value':>9} "
+          f"{'x copy':>7}")
+    for label, per_program, warps, regs, total, common, per_value, ops in rows:
+        print(f"{label:<42} {per_program:>11} {warps:>5} {regs:>4} {total:>6} {common:>6} {per_value:>9.1f} "
               f"{per_value / base:>7.1f}")
         if args.ops:
             print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))

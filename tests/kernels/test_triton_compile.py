@@ -173,7 +173,7 @@ def test_element_wise_kernels_stay_lean(tmp_path):
         pytest.skip("triton's ptxas is not available here")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     per = {m.group(1).strip(): float(m.group(2)) for m in
-           re.finditer(r"^(\S.*?)\s+\d+\s+\d+\s+\d+\s+\d+\s+([\d.]+)\s+[\d.]+$", proc.stdout, re.M)}
+           re.finditer(r"^(\S.*?)\s+\d+\s+\d+\s+\S+\s+\d+\s+\d+\s+([\d.]+)\s+[\d.]+$", proc.stdout, re.M)}
     assert "copy (baseline)" in per, proc.stdout
     assert per["qsgd one-pass encode, 4-bit, bucket 512"] <= 45, proc.stdout
     assert per["uniform decode, 4-bit"] <= 25, proc.stdout
