@@ -1,4 +1,10 @@
-"""Suite-wide pytest configuration: the hypothesis settings profile.
+"""Suite-wide pytest configuration: the hypothesis settings profile and the ``--full`` tier.
+
+**``--full``.** Some grids run kernels under Triton's interpreter, which executes every operation of
+every program in Python (a launch of one small program costs 50–80 ms). Their cases beyond a covering
+set (each kernel, each code path, each edge case at least once) carry the ``full`` mark and run only
+with ``pytest --full`` or ``GRADQ_FULL_TESTS=1``; the default suite stays within its time on two
+cores. :func:`gradq_testing.grid` builds such parameter lists.
 
 One profile, "gradq", is registered and loaded for the whole suite. Another registered profile can be
 chosen with the environment variable GRADQ_HYPOTHESIS_PROFILE (for example hypothesis's built-in
@@ -11,6 +17,7 @@ set ``deadline``: an explicit value in ``@settings`` overrides the profile.
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 PROFILE = "gradq"
@@ -33,3 +40,31 @@ settings.register_profile(
 )
 
 settings.load_profile(os.environ.get("GRADQ_HYPOTHESIS_PROFILE", PROFILE))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the exhaustive cases marked 'full' (or set GRADQ_FULL_TESTS=1)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: an exhaustive case beyond the covering set; runs with --full")
+
+
+def _full(config) -> bool:
+    return bool(config.getoption("--full")) or os.environ.get("GRADQ_FULL_TESTS", "").strip() == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _full(config):
+        return
+    skip = pytest.mark.skip(reason="exhaustive case: run with --full (or GRADQ_FULL_TESTS=1)")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def full_tests(request) -> bool:
+    """True when the exhaustive tier runs (``--full``): tests that loop over cases use it to choose."""
+    return _full(request.config)

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
+import pytest
 import torch
+
+
+def grid(*axes: Sequence, covering: Iterable[tuple]) -> list:
+    """Parameters for ``pytest.mark.parametrize`` over the product of ``axes``: the ``covering``
+    combinations run by default, every other one carries the ``full`` mark (``pytest --full``)."""
+    keep = {tuple(c) for c in covering}
+    cases = list(itertools.product(*axes))
+    missing = keep - set(cases)
+    if missing:
+        raise ValueError(f"covering cases outside the grid: {sorted(missing, key=repr)}")
+    return [pytest.param(*c) if c in keep else pytest.param(*c, marks=pytest.mark.full) for c in cases]
 
 
 def unbiasedness_stats(q, x: torch.Tensor, trials: int, **encode_kwargs) -> dict[str, float]:

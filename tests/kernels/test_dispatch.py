@@ -134,10 +134,12 @@ BAD_VALUES = [float("nan"), -float("nan"), float("inf"), -float("inf")]
 
 
 @pytest.mark.parametrize("spec", WITNESS_SPECS)
-def test_non_finite_input_is_found_after_the_encode_on_every_backend(spec, monkeypatch):
+def test_non_finite_input_is_found_after_the_encode_on_every_backend(spec, monkeypatch, full_tests):
     """A NaN (either sign) or Inf (either sign) anywhere, first, middle or in a partial last bucket, is
     refused by name on every backend, although these schemes look for it only in the payload; and a
-    finite input runs no separate screen (``check_finite`` replaced by a function that fails)."""
+    finite input runs no separate screen (``check_finite`` replaced by a function that fails).
+    Triton's interpreter takes 50–80 ms a launch: there each place gets one of the four values in
+    turn (all four with ``--full``); the kernels treat them alike, the other backends see all four."""
     from gradq.errors import NonFiniteError
     from gradq.quantizers import base
 
@@ -147,9 +149,11 @@ def test_non_finite_input_is_found_after_the_encode_on_every_backend(spec, monke
         for be in backends:
             kernels.set_backend(be)
             q = gradq.build(spec)
+            turn = 0
             for n in (1, 100, 301):
                 for pos in sorted({0, n // 2, n - 1}):
-                    for bad in BAD_VALUES:
+                    turn += 1
+                    for bad in BAD_VALUES if be != "triton" or full_tests else BAD_VALUES[turn % 4:][:1]:
                         x = _data(n, n + pos)
                         x[pos] = bad
                         with pytest.raises(NonFiniteError, match="'fc.w' holds (1 NaN and 0|0 NaN and 1) Inf"):

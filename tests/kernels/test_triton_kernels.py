@@ -20,6 +20,7 @@ from gradq import kernels
 from gradq.errors import NonFiniteError, PayloadError
 from gradq.kernels import reference as R
 from gradq.random import RandomStream
+from gradq_testing import grid
 
 T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
 # (the interpreter divides by denormal scales as the kernels do on a GPU: 1/3e-42 overflows to inf)
@@ -27,6 +28,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 SIZES = [1, 7, 8, 9, 40, 513, 2051]
 BUCKETS = [None, 1, 5, 8, 64, 512]
+# Every size and every bucket once or more, each width inside each of them (1 value, a partial
+# group, a whole group, a group and one, a partial program, two programs, five with a partial last),
+# buckets crossing groups (5) and programs (64 in 513 values, 512 in 2,051); the program-boundary
+# paths have tests of their own below. The rest of the product runs with --full.
+UNIFORM_COVER = [(None, 1), (None, 8), (None, 513), (1, 1), (1, 9), (5, 7), (5, 40), (5, 513), (8, 8),
+                 (8, 9), (64, 40), (64, 513), (512, 7), (512, 2051)]
 
 
 def data(n: int, seed: int) -> torch.Tensor:
@@ -61,8 +68,7 @@ def triton_backend():
 
 # -- primitives -------------------------------------------------------------------------------------
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("bucket,n", grid(BUCKETS, SIZES, covering=UNIFORM_COVER))
 def test_uniform_primitives(n, bucket):
     x = data(n, n)
     assert same(T.maxabs_scales(x, bucket), R.maxabs_scales(x, bucket))
@@ -124,8 +130,8 @@ def test_sigma_merge_tree(chunk, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("tail", [0, 1, 2, 3, 5, 15])
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows,tail", grid([1, 4], [0, 1, 2, 3, 5, 15],
+                                            covering=[(1, 0), (1, 3), (4, 1), (4, 5), (4, 15)]))
 def test_one_bit_statistics_in_triton(tail, rows, monkeypatch):
     """The one-bit statistics of power-of-two buckets and of a partial last bucket of any width run
     in the Triton kernels (the torch reference is not called), with the reference's folds: the
@@ -214,8 +220,8 @@ def test_bingrad_pb_level_in_triton(bucket, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("n", [1, 9, 1000])
-@pytest.mark.parametrize("bucket", [None, 7, 64])
+@pytest.mark.parametrize("bucket,n", grid([None, 7, 64], [1, 9, 1000],
+                                          covering=[(None, 9), (7, 1), (7, 1000), (64, 9)]))
 def test_level_and_bit_primitives(n, bucket):
     x = data(n, 100 + n)
     g = torch.Generator().manual_seed(n)
@@ -243,8 +249,8 @@ def test_level_and_bit_primitives(n, bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("n", [1, 9, 700])
-@pytest.mark.parametrize("bucket", [None, 7, 64])
+@pytest.mark.parametrize("bucket,n", grid([None, 7, 64], [1, 9, 700],
+                                          covering=[(None, 700), (7, 9), (64, 1), (64, 700)]))
 def test_multiscale_primitives(n, bucket):
     x = data(n, 200 + n)
     for levels, w, iw in [((1, 31), 2, 1), ((1, 3, 15, 127), 2, 2), ((7,), 4, 0), ((3, 31, 127), 3, 2)]:
@@ -475,8 +481,12 @@ FIXED_WIDTH = [
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("spec", FIXED_WIDTH)
-@pytest.mark.parametrize("kind", ["edge cases", "gradient-like"])
+@pytest.mark.parametrize("kind,spec", grid(
+    ["edge cases", "gradient-like"], FIXED_WIDTH,
+    # every scheme on the edge cases; on gradient-like values one scheme of each kernel family
+    covering=[("edge cases", s) for s in FIXED_WIDTH] + [("gradient-like", s) for s in (
+        "qsgd:levels=5,bucket=7,norm=l2", "maxnorm", "multiscale:bits=2+4+8,bucket=64", "terngrad", "orq",
+        "linear:levels=9", "bingrad-b", "bingrad-pb")]))
 def test_schemes_give_the_reference_bytes(spec, kind, triton_backend):
     x = gpu_input(kind, 1100, 3)
     q = gradq.build(spec)

@@ -83,7 +83,32 @@ VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1"
 def _jit(fn):
     names = [n for n, p in inspect.signature(fn).parameters.items()
              if n in VALUE_ARGS and "constexpr" not in str(p.annotation)]
-    return triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
+    k = triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
+    if INTERPRETED and _Interpreted is not None and type(k) is _Interpreted:
+        k.__class__ = _NestedCall
+    return k
+
+
+# Under the interpreter, Triton re-patches the whole of ``triton.language`` each time a kernel calls a
+# device function (about 1 ms a call, a quarter of the interpreter tests' time), although the kernel's
+# launch has patched it already. gradq's device functions are only ever called from gradq's kernels
+# (one ``tl`` for all), so theirs skip that step; Triton's own library functions keep it.
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+    from triton.runtime.errors import InterpreterError as _InterpreterError
+except ImportError:  # (another Triton layout: every call takes Triton's own path)
+    _Interpreted = None
+else:
+    if not hasattr(_Interpreted, "rewrite"):
+        _Interpreted = None
+    else:
+        class _NestedCall(_Interpreted):
+            def __call__(self, *args, **kwargs):
+                fn = self.rewrite()
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    raise _InterpreterError(repr(e)) from e
 
 
 _FUSED_MAX = 4096      # largest power-of-two bucket the one-pass QSGD encode handles
