@@ -42,6 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import gradq  # noqa: E402
 from gradq import kernels as K  # noqa: E402
+from gradq.kernels import triton_common as C  # noqa: E402
+from gradq.kernels import triton_levels as L  # noqa: E402
+from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
@@ -106,7 +109,7 @@ def _tensors(obj):
 
 def counts(fn) -> tuple[int, int, int, int, int, Counter]:
     launches = [0]
-    real = T._launch
+    real = C._launch
     c = Count()
 
     def counting(kernel, grid, *a, **kw):
@@ -117,12 +120,17 @@ def counts(fn) -> tuple[int, int, int, int, int, Counter]:
         finally:
             c.in_launch = False
 
-    T._launch = counting
+    # every module of the backend launches through its own name for _launch (triton_elias through
+    # triton_common's)
+    mods = (C, T, L, M)
+    for m in mods:
+        m._launch = counting
     try:
         with c:
             fn()
     finally:
-        T._launch = real
+        for m in mods:
+            m._launch = real
     torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL | HOST_READ | FROM_HOST)
     reads = sum(v for k, v in c.ops.items() if k in HOST_READ)
     return (launches[0], torch_ops, reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.peak,

@@ -38,6 +38,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from gradq.kernels import triton_levels as L  # noqa: E402
+from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -89,23 +91,23 @@ def _cases() -> list[tuple]:
          dict(M=1, W=1, TRITS=True, G=G, CHECK=True, BIG=True, WIDE=False, FULL=True), 5 * G, gw),
         ("uniform decode mean of 4, 4-bit", T._uniform_decode_body, dec_sig,
          dict(M=4, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
-        ("levels encode, L=5", T._levels_encode_body,
+        ("levels encode, L=5", L._levels_encode_body,
          dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U,
               hi0=U, L=C, W=C, G=C, WIDE=C, FAST=C), dict(L=5, W=3, G=G, WIDE=False, FAST=True), 8 * G, gw),
-        ("levels decode, L=5", T._levels_decode_body,
+        ("levels decode, L=5", L._levels_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32", nbytes=I, bucket=I, b0=I,
               L="i32", W=C, G=C, WIDE=C, FAST=C), dict(W=3, G=G, WIDE=False, FAST=True), 8 * G, gw),
-        ("one-bit threshold encode", T._threshold_body,
+        ("one-bit threshold encode", L._threshold_body,
          dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, G=C, FAST=C),
          dict(G=G, FAST=True), 8 * G, gw),
-        ("bingrad-pb bits encode", T._pb_bits_body,
+        ("bingrad-pb bits encode", L._pb_bits_body,
          dict(x_ptr=PF, b_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U,
               hi0=U, G=C, FAST=C), dict(G=G, FAST=True), 8 * G, gw),
-        ("multiscale encode, 2+6", T._ms_encode_body,
+        ("multiscale encode, 2+6", M._ms_encode_body,
          dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8, bad_ptr=P32, first=I, rem="i32",
               n=I, nbytes=I, ibytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U, hi0=U, L=C, W=C, IW=C, G=C, WIDE=C,
               FAST=C), dict(L=2, W=2, IW=1, G=G, WIDE=True, FAST=True), 8 * G, gw),
-        ("multiscale decode, 2+6", T._ms_decode_body,
+        ("multiscale decode, 2+6", M._ms_decode_body,
          dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
               nbytes=I, ibytes=I, bucket=I, b0=I, L=C, W=C, IW=C, G=C, WIDE=C, FAST=C),
          dict(L=2, W=2, IW=1, G=G, WIDE=True, FAST=True), 8 * G, gw),
@@ -114,7 +116,7 @@ def _cases() -> list[tuple]:
         ("TernGrad's moments and max-abs, blocks of 4096", T._block_moments_kernel,
          dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, n=I, BLOCK=C), dict(BLOCK=4096),
          4096, 4),
-        ("one-bit decode", T._bit_decode_body,
+        ("one-bit decode", L._bit_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, first=I, rem="i32", nbytes=I, bucket=I, b0=I, PER=C, G=C,
               FAST=C), dict(PER=1, G=G, FAST=True), 8 * G, gw),
     ]

@@ -28,6 +28,8 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_elias as E
+    from gradq.kernels import triton_levels as L
+    from gradq.kernels import triton_multiscale as M
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -120,7 +122,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = getattr(T, name, None) or getattr(E, name)
+        fn = next(getattr(m, name) for m in (T, L, M, E) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -155,11 +157,14 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("triton's ptxas is not available here")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from gradq.kernels import triton_elias as E   # (here: triton may be missing, and the test is then skipped)
+    # (imported here: triton may be missing, and the test is then skipped)
+    from gradq.kernels import triton_elias as E
+    from gradq.kernels import triton_levels as L
+    from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_ops as T
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, E) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, M, E) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

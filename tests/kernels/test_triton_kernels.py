@@ -668,13 +668,17 @@ def test_gpu_elias_stream_equals_the_cpu(spec, kind):
 def test_launch_settings_from_the_environment(tmp_path, monkeypatch):
     """GRADQ_TRITON_TUNING names a JSON file of launch settings (what bench_triton_tuning.py --best
     writes): known keys with powers of two replace the shipped ones; anything else is refused by name."""
-    monkeypatch.setattr(T, "TUNING", dict(T.TUNING))
+    from gradq.kernels import triton_common as C   # (where the settings live; T.TUNING is the same table)
+
+    assert C.TUNING is T.TUNING
+    for key, value in T.TUNING.items():    # (restored after the test)
+        monkeypatch.setitem(T.TUNING, key, value)
     f = tmp_path / "best.json"
     f.write_text('{"stats_elems": 512, "stats_warps": 8}')
     monkeypatch.setenv("GRADQ_TRITON_TUNING", str(f))
-    T._tuning_from_env()
+    C._tuning_from_env()
     assert (T.TUNING["stats_elems"], T.TUNING["stats_warps"]) == (512, 8)
     for bad in ('{"stats_elems": 500}', '{"groups": 0}', '{"no_such_key": 4}', '{"groups": 64.0}', '[64]'):
         f.write_text(bad)
         with pytest.raises(ValueError, match="GRADQ_TRITON_TUNING"):
-            T._tuning_from_env()
+            C._tuning_from_env()

@@ -33,8 +33,8 @@ from ..codecs.elias import _OMEGA_CODE, _OMEGA_LEN, _SMALL
 from ..codecs.qsgd_fields import _CHUNK as CHUNK
 from ..codecs.qsgd_fields import field_tables
 from ..codecs.qsgd_stream_torch import _omega_codes, check_stream_args
-from . import triton_ops as _T
-from .triton_ops import _jit, tl
+from . import triton_common as _C
+from .triton_common import _jit, tl
 
 __all__ = ["encode_fields_stream"]
 
@@ -273,10 +273,10 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     pre = torch.empty((nblk, 4), dtype=torch.int64, device=dev)
     totals = torch.zeros(4, dtype=torch.int64, device=dev)
     if nblk:
-        _T._launch(_elias_count_kernel, (nblk,), f, sl, dl, ol, stats, n, s, BLOCK=BLOCK, SMALL=_SMALL,
-                   num_warps=_T.TUNING["elias_warps"])
-        _T._launch(_elias_blocks_kernel, (1,), stats, ol, pre, totals, nblk, TILE=_TILE, SMALL=_SMALL,
-                   num_warps=_T.TUNING["elias_warps"])
+        _C._launch(_elias_count_kernel, (nblk,), f, sl, dl, ol, stats, n, s, BLOCK=BLOCK, SMALL=_SMALL,
+                   num_warps=_C.TUNING["elias_warps"])
+        _C._launch(_elias_blocks_kernel, (1,), stats, ol, pre, totals, nblk, TILE=_TILE, SMALL=_SMALL,
+                   num_warps=_C.TUNING["elias_warps"])
     bad, nnz, sparse_sum, dense_sum = totals.tolist()   # the one host read
     if bad:
         raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
@@ -288,9 +288,9 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     h0, h1 = _first_words(hcode, 1 + hlen) if sparse else _first_words(1, 1)
     index = torch.empty((max(0, -(-n // CHUNK) - 1), 3), dtype=torch.int64, device=dev)
     if nblk:
-        _T._launch(_elias_write_kernel, (nblk,), f, sc, sl, dc, dl, oc, ol, pre, words, index, n, s,
+        _C._launch(_elias_write_kernel, (nblk,), f, sc, sl, dc, dl, oc, ol, pre, words, index, n, s,
                    1 + hlen if sparse else 1, h0, h1, SPARSE=sparse, BLOCK=BLOCK, SMALL=_SMALL,
-                   PER_CHUNK=CHUNK // BLOCK, num_warps=_T.TUNING["elias_warps"])
+                   PER_CHUNK=CHUNK // BLOCK, num_warps=_C.TUNING["elias_warps"])
     else:
         words[:2] = torch.tensor([h0, h1], dtype=torch.int32)
     return words.view(torch.uint8)[: (nbits + 7) // 8], index.reshape(-1)
