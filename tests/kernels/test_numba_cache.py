@@ -33,6 +33,16 @@ def test_cache_dir_settings():
     assert numba_cache.cache_dir({"GRADQ_NUMBA_CACHE": "/a"}, group="codecs") == os.path.join("/a", f"codecs-{c}")
 
 
+def test_kernel_hash_covers_every_numba_kernel_module():
+    """Every module of gradq.kernels that compiles cached numba functions is in the kernels' hash
+    (the cached functions inline helpers across these modules, so one left out could load stale
+    code after a split or an edit)."""
+    folder = os.path.dirname(numba_cache.__file__)
+    jitted = sorted(name for name in os.listdir(folder) if name.endswith(".py") and name != "numba_cache.py"
+                    and "cache=True" in open(os.path.join(folder, name)).read())
+    assert "cpu_sort.py" in jitted and set(jitted) <= set(numba_cache.SOURCES)
+
+
 def test_codec_hash_covers_every_numba_codec_module():
     """Every module of gradq.codecs that compiles numba functions is in the codecs' hash (a module
     left out could load stale code after an edit of a helper it inlines)."""
