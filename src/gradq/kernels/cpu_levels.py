@@ -43,8 +43,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row
-from .numba_common import (_fill_uniform, _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _pack, _round_any, _run_end,
-                  _run_keys, _uniform)
+from .numba_common import (_fill_uniform, _ir_counters, _ir_splat, _ir_transpose, _ir_uniform, _ir_vectors, _pack,
+                           _round_any, _run_end, _run_keys, _uniform)
 
 _HALF = np.float32(0.5)
 _ZERO32 = np.float32(0.0)
@@ -209,22 +209,6 @@ def _orq_levels(srt, m, rounds, lv, nlv, starts, nst, cl, cr):
 _LANES8 = 8
 
 
-def _ir_transpose8(builder, regs):
-    """8×8 transpose of eight ``<8 x float>`` rows (block swaps of 4, 2, 1)."""
-    vi8 = ir.VectorType(ir.IntType(32), 8)
-    regs = list(regs)
-    for t in (4, 2, 1):
-        for r in range(8):
-            if r & t:
-                continue
-            lo = [c if not c & t else 8 + c - t for c in range(8)]
-            hi = [c + t if not c & t else 8 + c for c in range(8)]
-            a, b = regs[r], regs[r + t]
-            regs[r] = builder.shuffle_vector(a, b, ir.Constant(vi8, lo))
-            regs[r + t] = builder.shuffle_vector(a, b, ir.Constant(vi8, hi))
-    return regs
-
-
 def _chain_intrinsic(cnt):
     """For ``p < 8·nblk``: ``g`` = element ``p`` of the 8 rows of ``srt2`` (row stride ``stride``;
     lane ``k`` = row ``k``, read in 8×8 blocks and transposed), ``a, b`` = the lane's interval around
@@ -256,7 +240,7 @@ def _chain_intrinsic(cnt):
                 for k in range(_LANES8):
                     q = builder.gep(sp, [builder.add(builder.mul(st, ir.Constant(i64, k)), p0)])
                     rows.append(builder.load(builder.bitcast(q, vf8.as_pointer()), align=4))
-                cols = _ir_transpose8(builder, rows)
+                cols = _ir_transpose(builder, rows)
                 nl = builder.load(acc_l)
                 nr = builder.load(acc_r)
                 for i in range(_LANES8):

@@ -19,6 +19,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .numba_common import _ir_transpose
+
 _INF = np.float32(np.inf)
 _NEG0 = -2147483648            # int32 bit pattern of -0.0
 _EXP = 0x7F800000
@@ -206,20 +208,12 @@ def _transpose16(typingctx, src, i, dst, stride):
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
-        vf, vi, _ = _irtypes()
+        vf, _, _ = _irtypes()
         base = context.cast(builder, args[1], signature.args[1], types.intp)
         first = builder.mul(base, ir.Constant(i64, 16))
         ptr = _vec_ptr(context, builder, signature.args[0], args[0], first, types.intp)
-        regs = [builder.load(builder.gep(ptr, [ir.Constant(i64, t)]), align=4) for t in range(16)]
-        for t in (8, 4, 2, 1):
-            for r in range(16):
-                if r & t:
-                    continue
-                lo = [c if not c & t else 16 + c - t for c in range(16)]
-                hi = [c + t if not c & t else 16 + c for c in range(16)]
-                a, b = regs[r], regs[r + t]
-                regs[r] = builder.shuffle_vector(a, b, ir.Constant(vi, lo))
-                regs[r + t] = builder.shuffle_vector(a, b, ir.Constant(vi, hi))
+        regs = _ir_transpose(builder, [builder.load(builder.gep(ptr, [ir.Constant(i64, t)]), align=4)
+                                       for t in range(16)])
         ddata = context.make_array(signature.args[2])(context, builder, args[2]).data
         st = context.cast(builder, args[3], signature.args[3], types.intp)
         off = builder.mul(base, ir.Constant(i64, 16))

@@ -71,6 +71,26 @@ def _ir_vectors():
     return i32, vi, vf, const, ir.Constant(vf, [_INV24] * _LANES)
 
 
+def _ir_transpose(builder, regs):
+    """Transpose of ``w`` vectors of ``w`` lanes each (``w`` a power of two), as block swaps of
+    ``w/2, …, 2, 1`` lanes: two shuffles a pair of vectors and a step."""
+    w = len(regs)
+    vi = ir.VectorType(ir.IntType(32), w)
+    regs = list(regs)
+    t = w // 2
+    while t:
+        for r in range(w):
+            if r & t:
+                continue
+            lo = [c if not c & t else w + c - t for c in range(w)]
+            hi = [c + t if not c & t else w + c for c in range(w)]
+            a, b = regs[r], regs[r + t]
+            regs[r] = builder.shuffle_vector(a, b, ir.Constant(vi, lo))
+            regs[r + t] = builder.shuffle_vector(a, b, ir.Constant(vi, hi))
+        t //= 2
+    return regs
+
+
 def _ir_counters(builder, vi, base):
     """Counter hashes of lanes 0..15: ``base + lane·φ`` (the state advances by ``16·φ`` a step)."""
     lanes = ir.Constant(vi, [(j * 0x9E3779B9) & 0xFFFFFFFF for j in range(_LANES)])
