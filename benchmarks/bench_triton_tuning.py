@@ -1,9 +1,10 @@
 """Launch shapes of the Triton kernels, and where the host's time goes, on a GPU.
 
-``gradq.kernels.triton_ops.TUNING`` sets how much work a program takes and how many warps run it;
-none of it changes a result, only the speed. For each group of settings this times every
-alternative on the public API (``q.encode(x, seed=…)`` of 25M float32 values, the default size
-of bench_codecs.py), after checking that the payload's bytes equal those of the shipped settings:
+``gradq.kernels.triton_common.TUNING`` (also ``triton_ops.TUNING``) sets how much work a program
+takes and how many warps run it; none of it changes a result, only the speed. For each group of
+settings this times every alternative on the public API (``q.encode(x, seed=…)`` of 25M float32
+values, the default size of bench_codecs.py), after checking that the payload's bytes equal those
+of the shipped settings:
 
 * the device time per call (the sum of what the CUDA profiler sees the device run, as
   ``bench_codecs.py --memory --device cuda`` reports it) and that of the kernel the setting
