@@ -7,6 +7,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_figures.sh                 # every step; logs go to $OUT
 #   STEPS="tests codecs" OUT=/some/dir bash benchmarks/gpu_figures.sh   # only these steps
 #   GPU_TESTS_K="not runner" ...                                  # a -k expression for the tests step
+#   GPU_TESTS_N=14 ...                                            # pytest-xdist workers for the tests step (default 8)
 #
 # Steps: tuning codecs codecs50 tests profile nccl hook collectives integrations (tuning, codecs50 and
 # profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
@@ -50,7 +51,7 @@ step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeat
   --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
 step codecs50 90 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 5 --batch 50 \
   --spec qsgd:bits=4,bucket=512 --spec signsgd --spec orq:levels=5 --spec qsgd:bits=4,coding=elias   # the device-bound figure
-step tests 150 "$PY" -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+step tests 150 "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
   tests/kernels/test_triton_kernels.py tests/test_cuda_ranks.py
 if command -v ncu >/dev/null; then
   step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
