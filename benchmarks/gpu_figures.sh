@@ -7,6 +7,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_figures.sh                 # every step; logs go to $OUT
 #   STEPS="tests codecs" OUT=/some/dir bash benchmarks/gpu_figures.sh   # only these steps
 #   GPU_TESTS_K="not runner" ...                                  # a -k expression for the tests step
+#   TUNING_BUDGET=100 TUNING_GROUPS="sort orq" ...                 # the tuning step's seconds and groups (default all)
 #   GPU_TESTS_N=14 ...                                            # pytest-xdist workers for the tests step (default 8)
 #
 # Steps: tuning codecs codecs50 tests profile nccl hook collectives integrations (tuning, codecs50 and
@@ -42,7 +43,7 @@ step() {  # step NAME DEFAULT_LIMIT COMMAND...: run if NAME is in $STEPS, log to
   $PY -c "import torch, triton, numba; print(torch.__version__, triton.__version__, numba.__version__, torch.cuda.get_device_name())"
   nproc; } >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-step tuning 200 "$PY" benchmarks/bench_triton_tuning.py --host --budget "${TUNING_BUDGET:-150}" \
+step tuning 200 "$PY" benchmarks/bench_triton_tuning.py --host --budget "${TUNING_BUDGET:-150}" ${TUNING_GROUPS:+--groups $TUNING_GROUPS} \
   --json "$OUT/tuning.json" --best "$OUT/best_tuning.json"
 if [ -s "$OUT/best_tuning.json" ] && [ -z "${GRADQ_TRITON_TUNING:-}" ]; then
   export GRADQ_TRITON_TUNING="$OUT/best_tuning.json"; echo "== the next steps run with $GRADQ_TRITON_TUNING"

@@ -90,8 +90,8 @@ TUNING = {
     "groups_warps": 2,
     "fused_elems": 2048,    # values a program in the one-pass QSGD encode (whole buckets)
     "fused_warps": 2,
-    "stats_elems": 1024,    # values a program in the one-bit statistics (whole buckets)
-    "stats_warps": 2,
+    "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
+    "stats_warps": 1,
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program; not yet timed on a GPU)
