@@ -83,19 +83,22 @@ else:
 #: result (every value's randomness is its own counter, every bucket is folded whole by one
 #: program), only the speed; ``benchmarks/bench_triton_tuning.py`` times the alternatives on a GPU
 #: (and checks that the bytes stay the same). The interpreter ignores the warps.
-#: The values are the fastest measured on an H100 (docs/performance.md, "Launch settings"): two warps
-#: a program gave the one-bit statistics 2.0–2.6× and Linear's sort 1.3× against four.
+#: The values are the fastest measured on an H100 (docs/performance.md, "Launch settings" and "Third
+#: H100 session"): two warps a program gave Linear's sort 1.3× against four; one warp on 512 values
+#: made the one-bit statistics kernel 2.7–3.7× faster than two on 1,024; the one-pass QSGD encode
+#: on 1,024 values and four warps (fewer values a thread, fewer registers) took 1.11–1.18× less
+#: device time than on 2,048 and two at 2 and 8 bits and with the L2 norm, the same at 4 bits.
 TUNING = {
     "groups": 64,           # groups of 8 fields (or 5 trits) a program: the element-wise encodes, decodes
     "groups_warps": 2,
-    "fused_elems": 2048,    # values a program in the one-pass QSGD encode (whole buckets)
-    "fused_warps": 2,
+    "fused_elems": 1024,    # values a program in the one-pass QSGD encode (whole buckets)
+    "fused_warps": 4,
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
     "stats_warps": 1,
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
-    "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program; not yet timed on a GPU)
-    "elias_warps": 8,       # the Elias stream's passes (gradq.kernels.triton_elias; not yet timed; 4 spilled)
+    "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
+    "elias_warps": 8,       # the Elias stream's passes (gradq.kernels.triton_elias; 4 spilled)
 }
 
 
