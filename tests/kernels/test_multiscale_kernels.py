@@ -40,6 +40,10 @@ def test_kernels_match_the_reference(n, bucket):
             ref = R.multiscale_encode(x, sc, idx, levels, bucket, w, iw, b)
             assert a.offset == b.offset == 2**32 - 300 + n
             assert torch.equal(enc[0], ref[0]) and (iw == 0 or torch.equal(enc[1], ref[1])), levels
+            c = RandomStream(n)
+            c.offset = 2**32 - 300
+            own = N.multiscale_encode(x, sc, None, levels, bucket, w, iw, c)  # own indices, in the kernel
+            assert torch.equal(own[0], enc[0]) and (iw == 0 or torch.equal(own[1], enc[1])), levels
             got = N.multiscale_decode(*ref, sc, levels, bucket, w, iw, n)
             want = R.multiscale_decode(*ref, sc, levels, bucket, w, iw, n)
             assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())

@@ -260,6 +260,9 @@ def test_multiscale_primitives(n, bucket):
         enc = T.multiscale_encode(x, sc, idx, levels, bucket, w, iw, RandomStream(3))
         ref = R.multiscale_encode(x, sc, idx, levels, bucket, w, iw, RandomStream(3))
         assert same(enc[0], ref[0]) and (iw == 0 or same(enc[1], ref[1]))
+        own = T.multiscale_encode(x, sc, None, levels, bucket, w, iw, RandomStream(3))  # own indices, in the kernel
+        assert same(own[0], ref[0]) and (iw == 0 or same(own[1], ref[1]))
+        assert same(R.multiscale_encode(x, sc, None, levels, bucket, w, iw, RandomStream(3))[0], ref[0])
         assert same(T.multiscale_decode(*ref, sc, levels, bucket, w, iw, n),
                     R.multiscale_decode(*ref, sc, levels, bucket, w, iw, n))
         if n > 1 and len(levels) > 1:

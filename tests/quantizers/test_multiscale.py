@@ -207,6 +207,39 @@ def test_multiscale_corrupt_index_and_spec():
             build(bad)
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_encode_under_its_own_indices_makes_no_index_array(backend, monkeypatch):
+    """Without shared stats an encode takes each value's own scale index, and the numba kernels
+    compute it as they encode: no byte-a-value array of indices (2.7x a 2+6 payload) is made. The
+    bytes are those of an encode under the same indices passed as shared stats, and the public
+    shared_stats() still return the real indices, which a shared index above them fails."""
+    from gradq import kernels
+
+    if backend == "numba" and not kernels.available():
+        pytest.skip("numba kernels unavailable")
+    was = kernels.get_backend()
+    kernels.set_backend(backend)
+    try:
+        q = MultiScale(bits=(2, 4, 6), bucket=100)
+        x = _laplace(1001, 8) * 3
+        st = q.shared_stats(x)
+        idx = st["scale_index"].value
+        assert idx.dtype == torch.uint8 and idx.shape == (1001,) and idx.stride() == (1,)
+        assert torch.equal(idx, q.scale_indices(x, st["scale"].value)) and 0 < int(idx.sum()) < 2 * 1001
+        want = q.encode(x, seed=4, shared={k: s.value for k, s in st.items()})
+        if backend == "numba":
+            def refuse(*a, **k):
+                raise AssertionError("the encode made an array of indices")
+            monkeypatch.setattr(kernels, "multiscale_indices", refuse)
+        assert q.encode(x, seed=4).same_bytes(want)
+        lowered = idx.clone()
+        lowered[idx.argmax()] += 1   # one index above this worker's own
+        with pytest.raises(ValueError, match="MIN over workers"):
+            q.encode(x, seed=4, shared={"scale": st["scale"].value, "scale_index": lowered})
+    finally:
+        kernels.set_backend(was)
+
+
 # --------------------------------------------------------------------------------------------------
 # GlobalRandK
 # --------------------------------------------------------------------------------------------------

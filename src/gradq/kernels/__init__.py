@@ -364,10 +364,11 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[i
     return _impl("multiscale_indices", x)(x, scales, levels, bucket)
 
 
-def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels: Sequence[int],
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels: Sequence[int],
                       bucket: Optional[int], width: int, index_width: int,
                       rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """MultiScale's ``(packed fields, packed indices or None)`` under the shared scales and indices."""
+    """MultiScale's ``(packed fields, packed indices or None)`` under the shared scales and indices
+    (``index=None``: each value's own, computed as it is encoded, with no input-sized temporary)."""
     return _impl("multiscale_encode", x)(x, scales, index, levels, bucket, width, index_width, rng)
 
 

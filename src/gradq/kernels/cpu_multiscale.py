@@ -100,8 +100,10 @@ def indices(x, xi, w, bucket, levels, chunk, out):
 def encode(x, w, idx, bucket, levels, width, iwidth, k1, k2, ctr0, chunk, codes, index_out):
     """Fields ``s_1 ± mag`` under the shared indices ``idx`` (packed ``width`` bits) and the indices
     (packed ``iwidth`` bits, when ``iwidth > 0``); returns how many shared indices exceed this
-    worker's own (they must be the MIN over workers)."""
+    worker's own (they must be the MIN over workers). An empty ``idx`` stands for each value's own
+    index, computed here a chunk at a time (no input-sized array of them)."""
     n = x.size
+    own = idx.size == 0
     nch = (n + chunk - 1) // chunk
     bad = np.zeros(nch, np.int64)
     s1f = levels[0]
@@ -118,6 +120,7 @@ def encode(x, w, idx, bucket, levels, width, iwidth, k1, k2, ctr0, chunk, codes,
             _fill_uniform(u[p:e], base, k2h)
             p = e
         tmp = np.empty(m, np.uint8)
+        kown = np.empty(m if own else 0, np.uint8)
         nbad = 0
         g = e0
         while g < e0 + m:
@@ -125,12 +128,18 @@ def encode(x, w, idx, bucket, levels, width, iwidth, k1, k2, ctr0, chunk, codes,
             q = min((b + 1) * bucket, e0 + m)
             safe = _safe(w, b)
             xs = x[g:q]
-            ks = idx[g:q]
             us = u[g - e0:q - e0]
             ts = tmp[g - e0:q - e0]
+            if own:
+                ks = kown[g - e0:q - e0]
+            else:
+                ks = idx[g:q]
             if levels.size == 2:  # two scales (the default): selects instead of gathers, so it vectorizes
                 l1 = levels[1]
                 lim = np.int32(_limit(safe, l1, s1f)).view(np.float32)
+                if own:
+                    for i in range(q - g):
+                        ks[i] = np.uint8(abs(xs[i]) <= lim)
                 for i in range(q - g):
                     v = xs[i]
                     r = abs(v) / safe
@@ -140,6 +149,9 @@ def encode(x, w, idx, bucket, levels, width, iwidth, k1, k2, ctr0, chunk, codes,
                     mag = np.int32(s1f if t > s1f else t)
                     ts[i] = s1 - mag if v < F32(0.0) else s1 + mag
             else:
+                if own:
+                    for i in range(q - g):
+                        ks[i] = np.uint8(_allowed(abs(xs[i]) / safe, levels))
                 for i in range(q - g):
                     v = xs[i]
                     r = abs(v) / safe
@@ -151,7 +163,10 @@ def encode(x, w, idx, bucket, levels, width, iwidth, k1, k2, ctr0, chunk, codes,
             g = q
         _pack(tmp, width, codes[(e0 * width) // 8:])
         if iwidth > 0:
-            _pack(idx[e0:e0 + m], iwidth, index_out[(e0 * iwidth) // 8:])
+            if own:
+                _pack(kown, iwidth, index_out[(e0 * iwidth) // 8:])
+            else:
+                _pack(idx[e0:e0 + m], iwidth, index_out[(e0 * iwidth) // 8:])
         bad[c] = nbad
     return bad.sum()
 

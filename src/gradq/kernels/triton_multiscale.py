@@ -46,45 +46,54 @@ def _ms_indices_kernel(x_ptr, w_ptr, lv_ptr, out_ptr, n, bucket, L: tl.constexpr
 
 
 @_jit
-def _ms_code(x, w, ix, lv_ptr, u, o, rem, over, L: tl.constexpr, FAST: tl.constexpr):
-    """MultiScale's field ``s1 ± min(floor(s_ix·|x|/w + u), s1)`` of one value and ``over`` plus
-    whether its shared index ``ix`` exceeds the value's own allowed one (below offset ``rem``)."""
+def _ms_code(x, w, ix, lv_ptr, u, o, rem, over, L: tl.constexpr, FAST: tl.constexpr, OWN: tl.constexpr):
+    """MultiScale's field ``s1 ± min(floor(s_ix·|x|/w + u), s1)`` of one value, ``over`` plus
+    whether its shared index ``ix`` exceeds the value's own allowed one (below offset ``rem``), and
+    the index used. OWN: the value's own index (``ix`` is not read)."""
     r = _ms_ratio(x, w)
-    bad = ix > _ms_allowed(r, lv_ptr, L)
-    if not FAST:
-        bad = bad & (o < rem)
+    if OWN:
+        ix = _ms_allowed(r, lv_ptr, L)
+    else:
+        bad = ix > _ms_allowed(r, lv_ptr, L)
+        if not FAST:
+            bad = bad & (o < rem)
+        over = over + bad.to(tl.int32)
     s1f = tl.load(lv_ptr)
     s1 = s1f.to(tl.int32)
     t = tl.load(lv_ptr + tl.minimum(ix, L - 1)) * r + u
     mag = tl.where(t > s1f, s1f, t).to(tl.int32)
-    return tl.where(x < 0.0, s1 - mag, s1 + mag).to(tl.uint32), over + bad.to(tl.int32)
+    return tl.where(x < 0.0, s1 - mag, s1 + mag).to(tl.uint32), over, ix
 
 
 @_jit
 def _ms_encode_body(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr, first, rem, n, nbytes, ibytes,
                     bucket, b0, k1, k2, lo0, hi0, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr,
-                    G: tl.constexpr, WIDE: tl.constexpr, FAST: tl.constexpr):
+                    G: tl.constexpr, WIDE: tl.constexpr, FAST: tl.constexpr, OWN: tl.constexpr):
     g = tl.arange(0, G)
     base = g * 8
     v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FAST)
-    i0, i1, i2, i3, i4, i5, i6, i7 = _unpack8(ix_ptr + first, g, n - first, 8, WIDE and FAST)
+    if OWN:   # (placeholders: _ms_code computes each value's own index)
+        i0 = tl.zeros((G,), tl.int32)
+        i1, i2, i3, i4, i5, i6, i7 = i0, i0, i0, i0, i0, i0, i0
+    else:
+        i0, i1, i2, i3, i4, i5, i6, i7 = _unpack8(ix_ptr + first, g, n - first, 8, WIDE and FAST)
     over = tl.zeros((G,), tl.int32)
-    f0, over = _ms_code(v0, tl.load(w_ptr + _row_of(first, base, rem, bucket, b0, FAST)), i0, lv_ptr,
-                        _uniform_at(lo0, hi0, base, k1, k2, FAST), base, rem, over, L, FAST)
-    f1, over = _ms_code(v1, tl.load(w_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST)), i1, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 1, k1, k2, FAST), base + 1, rem, over, L, FAST)
-    f2, over = _ms_code(v2, tl.load(w_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST)), i2, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 2, k1, k2, FAST), base + 2, rem, over, L, FAST)
-    f3, over = _ms_code(v3, tl.load(w_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST)), i3, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 3, k1, k2, FAST), base + 3, rem, over, L, FAST)
-    f4, over = _ms_code(v4, tl.load(w_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST)), i4, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 4, k1, k2, FAST), base + 4, rem, over, L, FAST)
-    f5, over = _ms_code(v5, tl.load(w_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST)), i5, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 5, k1, k2, FAST), base + 5, rem, over, L, FAST)
-    f6, over = _ms_code(v6, tl.load(w_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST)), i6, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 6, k1, k2, FAST), base + 6, rem, over, L, FAST)
-    f7, over = _ms_code(v7, tl.load(w_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST)), i7, lv_ptr,
-                        _uniform_at(lo0, hi0, base + 7, k1, k2, FAST), base + 7, rem, over, L, FAST)
+    f0, over, i0 = _ms_code(v0, tl.load(w_ptr + _row_of(first, base, rem, bucket, b0, FAST)), i0, lv_ptr,
+                            _uniform_at(lo0, hi0, base, k1, k2, FAST), base, rem, over, L, FAST, OWN)
+    f1, over, i1 = _ms_code(v1, tl.load(w_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST)), i1, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 1, k1, k2, FAST), base + 1, rem, over, L, FAST, OWN)
+    f2, over, i2 = _ms_code(v2, tl.load(w_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST)), i2, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 2, k1, k2, FAST), base + 2, rem, over, L, FAST, OWN)
+    f3, over, i3 = _ms_code(v3, tl.load(w_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST)), i3, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 3, k1, k2, FAST), base + 3, rem, over, L, FAST, OWN)
+    f4, over, i4 = _ms_code(v4, tl.load(w_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST)), i4, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 4, k1, k2, FAST), base + 4, rem, over, L, FAST, OWN)
+    f5, over, i5 = _ms_code(v5, tl.load(w_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST)), i5, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 5, k1, k2, FAST), base + 5, rem, over, L, FAST, OWN)
+    f6, over, i6 = _ms_code(v6, tl.load(w_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST)), i6, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 6, k1, k2, FAST), base + 6, rem, over, L, FAST, OWN)
+    f7, over, i7 = _ms_code(v7, tl.load(w_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST)), i7, lv_ptr,
+                            _uniform_at(lo0, hi0, base + 7, k1, k2, FAST), base + 7, rem, over, L, FAST, OWN)
     _pack8_tail(f0, f1, f2, f3, f4, f5, f6, f7, codes_ptr, first, base, rem, nbytes, W, WIDE, FAST)
     if IW > 0:
         _pack8_tail(i0.to(tl.uint32), i1.to(tl.uint32), i2.to(tl.uint32), i3.to(tl.uint32), i4.to(tl.uint32),
@@ -96,18 +105,19 @@ def _ms_encode_body(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr,
 @_jit
 def _ms_encode_kernel(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr, n, nbytes, ibytes, bucket,
                       k1, k2, ctr0, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, G: tl.constexpr,
-                      WIDE: tl.constexpr):
+                      WIDE: tl.constexpr, OWN: tl.constexpr):
     """MultiScale's fields (:func:`_ms_code`) in W bits and, with IW > 0, the shared indices in IW
     bits; per program the number of values whose shared index exceeds their own. WIDE: the indices
-    and both outputs are 4-byte aligned."""
+    and both outputs are 4-byte aligned. OWN: each value's own index, computed here (``ix_ptr`` is
+    not read), so no input-sized array of indices exists."""
     first, rem, b0, fast = _fast(n, bucket, 8 * G)
     lo0, hi0, nowrap = _counter_halves(ctr0, first, 8 * G)
     if fast & nowrap:
         _ms_encode_body(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr, first, rem, n, nbytes, ibytes,
-                        bucket, b0, k1, k2, lo0, hi0, L, W, IW, G, WIDE, True)
+                        bucket, b0, k1, k2, lo0, hi0, L, W, IW, G, WIDE, True, OWN)
     else:
         _ms_encode_body(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_ptr, first, rem, n, nbytes, ibytes,
-                        bucket, b0, k1, k2, lo0, hi0, L, W, IW, G, WIDE, False)
+                        bucket, b0, k1, k2, lo0, hi0, L, W, IW, G, WIDE, False, OWN)
 
 
 @_jit
@@ -171,11 +181,23 @@ def _ms_decode_kernel(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, n, 
 
 
 # -- MultiScale ----------------------------------------------------------------------------------
+_LEVELS: dict[tuple, torch.Tensor] = {}
+
+
 def _ms_levels(levels, device: torch.device) -> torch.Tensor:
+    """The scales as a float32 tensor on ``device``, made once per scales and device (a copy from
+    host memory per call would be a transfer per encode and decode)."""
+    plain = isinstance(levels, (tuple, list)) and all(isinstance(v, (int, float)) for v in levels)
+    key = (tuple(levels), torch.device(device)) if plain else None
+    if key is not None and key in _LEVELS:
+        return _LEVELS[key]
     lv = torch.tensor(list(levels), dtype=torch.float32)
     if lv.dim() != 1 or not 1 <= lv.numel() <= 255:
         raise ValueError(f"levels must be 1 to 255 increasing scales, got {levels!r}")
-    return lv.to(device)
+    lv = lv.to(device)
+    if key is not None:
+        _LEVELS[key] = lv
+    return lv
 
 
 def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Optional[int]) -> torch.Tensor:
@@ -191,15 +213,18 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Op
     return res
 
 
-def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels, bucket: Optional[int],
-                      width: int, index_width: int, rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """As :func:`gradq.kernels.reference.multiscale_encode`."""
+def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels,
+                      bucket: Optional[int], width: int, index_width: int,
+                      rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """As :func:`gradq.kernels.reference.multiscale_encode` (``index=None``: each value's own index,
+    computed in the kernel)."""
     xv = _flat(x, "x", torch.float32)
     n = xv.numel()
     d = _bucket(n, bucket)
     lv = _ms_levels(levels, xv.device)
-    iv = _flat(index, "index", torch.uint8).to(xv.device)
-    if iv.numel() != n:
+    own = index is None
+    iv = xv if own else _flat(index, "index", torch.uint8).to(xv.device)   # (own: a pointer the kernel never reads)
+    if not own and iv.numel() != n:
         raise ValueError(f"expected {n} scale indices, got {iv.numel()}")
     nbytes, ibytes = (n * _width(width) + 7) // 8, (n * index_width + 7) // 8
     codes = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
@@ -212,8 +237,8 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: torch.Tensor
         pidx = codes if packed_index is None else packed_index
         _launch(_ms_encode_kernel, grid, xv, w, iv, lv, codes, pidx, bad, n, nbytes, ibytes, d, k1, k2, ctr0,
                 L=lv.numel(), W=width, IW=index_width, G=_groups(),
-                WIDE=all(t.data_ptr() % 4 == 0 for t in (iv, codes, pidx)))
-        if int(bad.sum()):  # (a host read: the check the reference makes)
+                WIDE=all(t.data_ptr() % 4 == 0 for t in (iv, codes, pidx)), OWN=own)
+        if not own and int(bad.sum()):  # (a host read: the check the reference makes)
             raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
                              "coordinates; it must be the MIN over workers of the indices")
     return codes, packed_index

@@ -163,16 +163,16 @@ class Quantizer:
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
                      name: Optional[str] = None) -> dict[str, SharedStat]:
         """Quantities the workers must reduce before encoding ``x`` (empty for most schemes)."""
-        v = self._flatten(x, name)
-        ctx = EncodeContext(rng=RandomStream(0), shared_seed=shared_seed, name=name)
-        return self._own_stats(v, ctx)
+        return self._shared_stats(self._flatten(x, name), shared_seed)
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {}
 
     def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
-        """The encode-time version of :meth:`_shared_stats`; a scheme may override it to stash
-        by-products in ``ctx.scratch`` (e.g. TernGrad's clipping bound) instead of recomputing them."""
+        """The encode-time version of :meth:`_shared_stats`: the same names and shapes (the encode
+        checks reduced values against them), but a scheme may override it to stash by-products in
+        ``ctx.scratch`` (e.g. TernGrad's clipping bound) instead of recomputing them, or to stand in
+        for a statistic its kernels compute as they encode (MultiScale's per-value indices)."""
         return self._shared_stats(v, ctx.shared_seed)
 
     # -- encode / decode ---------------------------------------------------------------------------

@@ -110,15 +110,28 @@ class MultiScale(SummableQuantizer):
 
     # -- encode ------------------------------------------------------------------------------------
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        w = (kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales)(v, self.bucket)
+        w = self._norms(v)
         return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(self._indices(v, w), "min")}
+
+    def _norms(self, v: torch.Tensor) -> torch.Tensor:
+        return (kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales)(v, self.bucket)
+
+    def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
+        # The encode never needs this worker's own indices as a tensor (a byte a value, 2.7x a
+        # 2+6 payload): encoding under them, the kernels compute each one as they go; under shared
+        # indices, they check each against it. A zero-stride stand-in keeps the name and shape.
+        index = torch.zeros((), dtype=torch.uint8, device=v.device).expand(v.numel())
+        return {"scale": SharedStat(self._norms(v), "max"), "scale_index": SharedStat(index, "min")}
 
     def _fields_of(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         w = ctx.shared["scale"].to(torch.float32)
         check_shared_scale(self.name, w, ctx.own["scale"].value)
-        codes, index = kernels.multiscale_encode(v, w, ctx.shared["scale_index"], self.levels, self.bucket,
-                                                 self.width, self.index_width, ctx.rng)
-        return codes, index, w
+        index = ctx.shared["scale_index"]
+        if index is ctx.own["scale_index"].value:   # no shared indices: each value's own
+            index = None
+        codes, packed = kernels.multiscale_encode(v, w, index, self.levels, self.bucket, self.width,
+                                                  self.index_width, ctx.rng)
+        return codes, packed, w
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         codes, _, _ = self._fields_of(v, ctx)
