@@ -180,3 +180,26 @@ def test_schemes_without_a_witness_still_screen_first(spec, x, monkeypatch):
     monkeypatch.setattr(base, "check_finite", _no_screen)
     with pytest.raises(AssertionError, match="up-front screen"):
         gradq.build(spec).encode(x, seed=1)
+
+
+@pytest.mark.parametrize("clip", [None, 2.5])
+def test_max_abs_scales_of_non_finite_buckets_agree_on_every_backend(clip):
+    """A bucket holding NaN (of either sign) gets the clip bound, or inf without one, and a bucket
+    holding ±Inf the bound too, on the reference, numba and Triton alike, by the primitive alone
+    and by the fused encode (the encodes refuse such input; this is what the kernels return)."""
+    from gradq.kernels import numba_ops as N
+    from gradq.kernels import reference as R
+    from gradq.random import RandomStream
+
+    x = _data(40, 3)
+    x[3], x[25], x[33] = float("nan"), -float("nan"), -float("inf")
+    bound = float("inf") if clip is None else clip
+    want = R.maxabs_scales(x, 8, clip)
+    assert want[[0, 3, 4]].tolist() == [bound] * 3 and torch.isfinite(want[[1, 2]]).all()
+    backends = [R, N]
+    if kernels.triton_available():
+        from gradq.kernels import triton_ops as T
+        backends.append(T)
+    for B in backends:
+        assert torch.equal(B.maxabs_scales(x, 8, clip), want), B.__name__
+        assert torch.equal(B.maxabs_uniform_encode(x, 7, 8, 4, RandomStream(1), clip)[1], want), B.__name__

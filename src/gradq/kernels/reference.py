@@ -373,8 +373,12 @@ def _into(res: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] = None,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-bucket ``max |x|`` (of ``clamp(x, −clip, clip)`` with ``clip``), float32."""
-    return _into(bucket_norms(bucket_view(_clipped(x, clip), bucket), "max").to(torch.float32), out)
+    """Per-bucket ``max |x|`` (of ``clamp(x, −clip, clip)`` with ``clip``), float32. A bucket that
+    holds a NaN gets the clip bound (``inf`` without one), as the compiled kernels' integer maximum
+    over ``|x|`` clamped to the bound gives it; so every backend agrees on non-finite input too."""
+    m = bucket_norms(bucket_view(_clipped(x, clip), bucket), "max").to(torch.float32)
+    bound = math.inf if clip is None else float(clip)
+    return _into(torch.where(torch.isnan(m), torch.full_like(m, bound), m), out)
 
 
 def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
