@@ -78,8 +78,11 @@ SCRIPT = textwrap.dedent('''
         ("_ms_indices_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, out_ptr=P8, n=I, bucket=I, L=C, BLOCK=C),
          dict(L=2, BLOCK=1024), True),
         ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
-         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C),
-         dict(L=4, W=3, IW=2, G=64, WIDE=False), True),
+         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C, OWN=C),
+         dict(L=4, W=3, IW=2, G=64, WIDE=False, OWN=False), True),
+        ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=PF, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
+         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C, OWN=C),
+         dict(L=2, W=2, IW=1, G=64, WIDE=True, OWN=True), True),
         ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=2, IW=1, G=64, WIDE=True), True),
 
