@@ -107,7 +107,11 @@ SCRIPT = textwrap.dedent('''
         ("_elias_count_kernel", dict(f_ptr=P8, sl_ptr=P32, dl_ptr=P32, ol_ptr=P32, stats_ptr=PI64, n=I, s="i32",
          BLOCK=C, SMALL=C), dict(BLOCK=E.BLOCK, SMALL=4096), False),
     ] + [
-        ("_elias_blocks_kernel", dict(stats_ptr=PI64, ol_ptr=P32, pre_ptr=PI64, totals_ptr=PI64, nblk=I, TILE=C,
+        ("_elias_tiles_kernel", dict(stats_ptr=PI64, ol_ptr=P32, tiles_ptr=PI64, nblk=I, TILE=C, SMALL=C),
+         dict(TILE=E._TILE, SMALL=4096), False),
+        ("_elias_scan_kernel", dict(tiles_ptr=PI64, ol_ptr=P32, tpre_ptr=PI64, totals_ptr=PI64, ntiles=I, TILE=C,
+         SMALL=C), dict(TILE=E._TILE, SMALL=4096), False),
+        ("_elias_blocks_kernel", dict(stats_ptr=PI64, ol_ptr=P32, tpre_ptr=PI64, pre_ptr=PI64, nblk=I, TILE=C,
          SMALL=C), dict(TILE=E._TILE, SMALL=4096), False),
     ] + [
         ("_elias_write_kernel", dict(f_ptr=P8, sc_ptr=PI64, sl_ptr=P32, dc_ptr=PI64, dl_ptr=P32, oc_ptr=PI64,

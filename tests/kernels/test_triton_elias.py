@@ -42,6 +42,24 @@ def test_elias_stream_in_triton(case):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_block_prefix_sums_across_many_tiles(monkeypatch):
+    """The blocks' prefix sums run per tile of blocks, then over the tiles, TILE at a time. With
+    tiles of 2 blocks, 41 blocks make 21 tiles and a scan of 11 steps: tiles with no nonzero, a
+    first gap that goes back several tiles, a tile whose only nonzero is in its second block, and a
+    partial last tile; both layouts, byte for byte the serial writer's."""
+    monkeypatch.setattr(E, "_TILE", 2)
+    n = 41 * E.BLOCK - 100
+    fields = torch.full((n,), 7, dtype=torch.uint8)             # s = 7: all zero codes
+    for pos, v in [(5, 9), (1030, 0), (1031, 14), (9 * E.BLOCK + 3, 8), (17 * E.BLOCK - 1, 6),
+                   (23 * E.BLOCK + 600, 10), (n - 1, 3)]:
+        fields[pos] = v
+    fields[30 * E.BLOCK:32 * E.BLOCK:5] = 12                     # a dense stretch over a whole tile
+    for layout in ("sparse", "dense"):
+        got, want = E.encode_fields_stream(fields, 7, layout), encode_fields_stream(fields, 7, layout, index=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), layout
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse",
                                   "qsgd:levels=100,coding=elias-dense"])
 def test_elias_coded_qsgd_on_the_triton_backend(spec):

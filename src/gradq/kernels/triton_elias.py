@@ -41,8 +41,9 @@ __all__ = ["encode_fields_stream"]
 #: fields a program, in both passes (a power of two that divides the chunk length)
 BLOCK = 1024
 assert CHUNK % BLOCK == 0
-#: blocks a step of the one-program pass over the blocks' counts
-_TILE = 128
+#: blocks a tile of the prefix sums over the blocks' counts (and tiles a step of the scan over the
+#: tiles); with four warps a program, 96–224 registers a thread and no spills for sm_90
+_TILE = 64
 
 
 @lru_cache(maxsize=None)
@@ -155,13 +156,58 @@ def _elias_count_kernel(f_ptr, sl_ptr, dl_ptr, ol_ptr, stats_ptr, n, s, BLOCK: t
 
 
 @_jit
-def _elias_blocks_kernel(stats_ptr, ol_ptr, pre_ptr, totals_ptr, nblk, TILE: tl.constexpr, SMALL: tl.constexpr):
-    """One program over the blocks' counts, in tiles: per block, four int64 at ``pre_ptr + 4·block``
-    (its first bit in a sparse and in a dense stream, not counting the flag and header; its nonzeros
-    before it; the last nonzero before it, −1: none), and at ``totals_ptr`` the fields above ``2s``,
-    the nonzeros and the sparse and dense bits of all blocks. A block's first gap is counted here,
-    from the last nonzero before it (a maximum over the earlier blocks of the tile: a ``[TILE,
-    TILE]`` step, not a scan)."""
+def _tile_of_blocks(stats_ptr, t0, nblk, TILE: tl.constexpr):
+    """Blocks ``t0 … t0 + TILE − 1`` of the counts (:func:`_elias_count_kernel`): dense bits,
+    nonzeros, sparse bits without the first gap, first and last nonzero, fields above ``2s``, and per
+    block the last nonzero of the tile's earlier blocks (−1: none; a ``[TILE, TILE]`` maximum, not a
+    scan)."""
+    i = tl.arange(0, TILE)
+    b = t0 + i
+    ok = b < nblk
+    row = stats_ptr + 6 * b.to(tl.int64)
+    dense = tl.load(row, mask=ok, other=0)
+    nnz = tl.load(row + 1, mask=ok, other=0)
+    rest = tl.load(row + 2, mask=ok, other=0)
+    first = tl.load(row + 3, mask=ok, other=-1)
+    last = tl.load(row + 4, mask=ok, other=-1)
+    bad = tl.load(row + 5, mask=ok, other=0)
+    earlier = tl.max(tl.where(i[None, :] < i[:, None], last[None, :], -1), axis=1)
+    return ok, dense, nnz, rest, first, last, bad, earlier
+
+
+@_jit
+def _sparse_bits(rest, nnz, first, before, ol_ptr, SMALL: tl.constexpr):
+    """A block's sparse bits: ``rest`` plus its first gap's code, from the last nonzero ``before``."""
+    has = nnz > 0
+    return rest + tl.where(has, _omega_len(tl.where(has, first - before, 1), ol_ptr, SMALL), 0)
+
+
+@_jit
+def _elias_tiles_kernel(stats_ptr, ol_ptr, tiles_ptr, nblk, TILE: tl.constexpr, SMALL: tl.constexpr):
+    """Per tile of TILE blocks, six int64 at ``tiles_ptr + 6·tile``: its dense bits, nonzeros, the
+    sparse bits it knows alone (all but the first gap of its first block with nonzeros, which goes
+    back to an earlier tile), fields above ``2s``, its last nonzero, and the first nonzero of that
+    block (−1: the tile has none)."""
+    t = tl.program_id(0).to(tl.int64)
+    ok, dense, nnz, rest, first, last, bad, earlier = _tile_of_blocks(stats_ptr, t * TILE, nblk, TILE)
+    opens = nnz > 0
+    opens = opens & (earlier < 0)                       # at most one block: the tile's first with nonzeros
+    known = tl.where(opens, rest, _sparse_bits(rest, nnz, first, earlier, ol_ptr, SMALL))
+    out = tiles_ptr + 6 * t
+    tl.store(out, tl.sum(dense, axis=0))
+    tl.store(out + 1, tl.sum(nnz, axis=0))
+    tl.store(out + 2, tl.sum(tl.where(ok, known, 0), axis=0))
+    tl.store(out + 3, tl.sum(bad, axis=0))
+    tl.store(out + 4, tl.max(last, axis=0))
+    tl.store(out + 5, tl.max(tl.where(opens, first, -1), axis=0))
+
+
+@_jit
+def _elias_scan_kernel(tiles_ptr, ol_ptr, tpre_ptr, totals_ptr, ntiles, TILE: tl.constexpr, SMALL: tl.constexpr):
+    """One program over the tiles (:func:`_elias_tiles_kernel`), TILE at a time: per tile, four int64
+    at ``tpre_ptr + 4·tile`` (the sparse and dense bits and the nonzeros of the tiles before it, and
+    the last nonzero before it, −1: none), and at ``totals_ptr`` the fields above ``2s``, the
+    nonzeros and the sparse and dense bits of all of them."""
     i = tl.arange(0, TILE)
     last_before = tl.full((), -1, tl.int64)
     sparse_run = tl.full((), 0, tl.int64)
@@ -169,21 +215,20 @@ def _elias_blocks_kernel(stats_ptr, ol_ptr, pre_ptr, totals_ptr, nblk, TILE: tl.
     nnz_run = tl.full((), 0, tl.int64)
     bad = tl.full((), 0, tl.int64)
     t = tl.full((), 0, tl.int64)
-    while t < nblk:      # (a while loop: the interpreter cannot take a range over a kernel argument)
-        b = t + i
-        ok = b < nblk
-        row = stats_ptr + 6 * b.to(tl.int64)
+    while t < ntiles:    # (a while loop: the interpreter cannot take a range over a kernel argument)
+        k = t + i
+        ok = k < ntiles
+        row = tiles_ptr + 6 * k
         dense = tl.load(row, mask=ok, other=0)
         nnz = tl.load(row + 1, mask=ok, other=0)
-        rest = tl.load(row + 2, mask=ok, other=0)
-        first = tl.load(row + 3, mask=ok, other=-1)
+        known = tl.load(row + 2, mask=ok, other=0)
+        bad += tl.sum(tl.load(row + 3, mask=ok, other=0), axis=0)
         last = tl.load(row + 4, mask=ok, other=-1)
-        bad += tl.sum(tl.load(row + 5, mask=ok, other=0), axis=0)
+        opener = tl.load(row + 5, mask=ok, other=-1)
         earlier = tl.max(tl.where(i[None, :] < i[:, None], last[None, :], -1), axis=1)
         before = tl.maximum(earlier, last_before)
-        has = nnz > 0
-        sparse = rest + tl.where(has, _omega_len(tl.where(has, first - before, 1), ol_ptr, SMALL), 0)
-        out = pre_ptr + 4 * b.to(tl.int64)
+        sparse = _sparse_bits(known, (opener >= 0).to(tl.int64), opener, before, ol_ptr, SMALL)
+        out = tpre_ptr + 4 * k
         tl.store(out, sparse_run + tl.cumsum(sparse, 0) - sparse, mask=ok)
         tl.store(out + 1, dense_run + tl.cumsum(dense, 0) - dense, mask=ok)
         tl.store(out + 2, nnz_run + tl.cumsum(nnz, 0) - nnz, mask=ok)
@@ -197,6 +242,24 @@ def _elias_blocks_kernel(stats_ptr, ol_ptr, pre_ptr, totals_ptr, nblk, TILE: tl.
     tl.store(totals_ptr + 1, nnz_run)
     tl.store(totals_ptr + 2, sparse_run)
     tl.store(totals_ptr + 3, dense_run)
+
+
+@_jit
+def _elias_blocks_kernel(stats_ptr, ol_ptr, tpre_ptr, pre_ptr, nblk, TILE: tl.constexpr, SMALL: tl.constexpr):
+    """Per block, four int64 at ``pre_ptr + 4·block``: its first bit in a sparse and in a dense
+    stream (not counting the flag and header), its nonzeros before it, and the last nonzero before
+    it (−1: none), from its tile's row of ``tpre_ptr`` (:func:`_elias_scan_kernel`) and the tile's
+    own blocks; one program a tile."""
+    t = tl.program_id(0).to(tl.int64)
+    ok, dense, nnz, rest, first, last, bad, earlier = _tile_of_blocks(stats_ptr, t * TILE, nblk, TILE)
+    tp = tpre_ptr + 4 * t
+    before = tl.maximum(earlier, tl.load(tp + 3))
+    sparse = _sparse_bits(rest, nnz, first, before, ol_ptr, SMALL)
+    out = pre_ptr + 4 * (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+    tl.store(out, tl.load(tp) + tl.cumsum(sparse, 0) - sparse, mask=ok)
+    tl.store(out + 1, tl.load(tp + 1) + tl.cumsum(dense, 0) - dense, mask=ok)
+    tl.store(out + 2, tl.load(tp + 2) + tl.cumsum(nnz, 0) - nnz, mask=ok)
+    tl.store(out + 3, before, mask=ok)
 
 
 @_jit
@@ -275,8 +338,15 @@ def encode_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> 
     if nblk:
         _C._launch(_elias_count_kernel, (nblk,), f, sl, dl, ol, stats, n, s, BLOCK=BLOCK, SMALL=_SMALL,
                    num_warps=_C.TUNING["elias_warps"])
-        _C._launch(_elias_blocks_kernel, (1,), stats, ol, pre, totals, nblk, TILE=_TILE, SMALL=_SMALL,
-                   num_warps=_C.TUNING["elias_warps"])
+        # the blocks' prefix sums: per tile of _TILE blocks, its scan over the tiles, then per block
+        ntiles = -(-nblk // _TILE)
+        tiles = torch.empty((ntiles, 6), dtype=torch.int64, device=dev)
+        tpre = torch.empty((ntiles, 4), dtype=torch.int64, device=dev)
+        _C._launch(_elias_tiles_kernel, (ntiles,), stats, ol, tiles, nblk, TILE=_TILE, SMALL=_SMALL, num_warps=4)
+        _C._launch(_elias_scan_kernel, (1,), tiles, ol, tpre, totals, ntiles, TILE=_TILE, SMALL=_SMALL,
+                   num_warps=4)
+        _C._launch(_elias_blocks_kernel, (ntiles,), stats, ol, tpre, pre, nblk, TILE=_TILE, SMALL=_SMALL,
+                   num_warps=4)
     bad, nnz, sparse_sum, dense_sum = totals.tolist()   # the one host read
     if bad:
         raise ValueError(f"QSGD codes must lie in [-{s}, {s}], got {bad} fields above {2 * s}")
