@@ -98,7 +98,7 @@ TUNING = {
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
-    "elias_warps": 8,       # the Elias stream's passes (gradq.kernels.triton_elias; 4 spilled)
+    "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
 }
 
 
