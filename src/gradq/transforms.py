@@ -139,8 +139,9 @@ class ErrorFeedback(Quantizer):
         """The held residual for ``name`` (zeros if none yet), checked against ``x``'s shape."""
         return self.state.residual(x, name)
 
-    def _corrected(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState) -> torch.Tensor:
-        self._flatten(x, name)  # validate (finite, floating) before mixing with the residual
+    def _corrected(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
+                   screen: bool = True) -> torch.Tensor:
+        self._flatten(x, name, screen)  # validate (finite, floating) before mixing with the residual
         return x.detach().to(torch.float32) + state.residual(x, name)
 
     def reset(self) -> None:
@@ -165,22 +166,28 @@ class ErrorFeedback(Quantizer):
     def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
                     generator: Optional[torch.Generator] = None,
                     shared: Optional[Mapping[str, torch.Tensor]] = None, shared_seed: Optional[int] = None,
-                    name: Optional[str] = None) -> tuple[Payload, ErrorFeedbackState]:
+                    name: Optional[str] = None, check_finite: bool = True) -> tuple[Payload, ErrorFeedbackState]:
         """One error-feedback step on an explicit state: the payload of ``x + e[name]`` and the next
-        state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed."""
-        u = self._corrected(x, name, state)
+        state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed.
+        ``check_finite``: as in :meth:`gradq.Quantizer.encode`."""
+        skip = not check_finite and self.skips_finite_check(x, shared)
+        u = self._corrected(x, name, state, screen=not skip)
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
-                                    shared_seed=shared_seed, name=name)
+                                    shared_seed=shared_seed, name=name, check_finite=check_finite)
         new = state.with_residual(name, u - self.inner.decode(payload).to(torch.float32))
         return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields), new
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
                shared: Optional[Mapping[str, torch.Tensor]] = None,
-               shared_seed: Optional[int] = None, name: Optional[str] = None) -> Payload:
+               shared_seed: Optional[int] = None, name: Optional[str] = None,
+               check_finite: bool = True) -> Payload:
         payload, self.state = self.encode_with(x, self.state, seed=seed, generator=generator, shared=shared,
-                                               shared_seed=shared_seed, name=name)
+                                               shared_seed=shared_seed, name=name, check_finite=check_finite)
         return payload
+
+    def skips_finite_check(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]] = None) -> bool:
+        return self.inner.skips_finite_check(x, shared)
 
     def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if payload.spec != self.spec:

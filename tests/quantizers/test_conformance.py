@@ -202,6 +202,42 @@ def test_non_finite_input_is_refused(spec, bad):
         _fresh(spec).encode(x, seed=0, name="layer3.weight")
 
 
+#: the schemes whose encode must skip its check under check_finite=False (the DDP hook's encodes):
+#: every fixed-width scheme with its own scale, whose payload shows a NaN/Inf (see _nonfinite_witness)
+SKIPPING = {"qsgd", "maxnorm", "terngrad", "multiscale", "linear", "signsgd", "onebit", "bingrad-b"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_encode_without_the_check(spec, bad):
+    """``check_finite=False``: finite input gives the same bytes as the checked encode; non-finite
+    input still raises in the schemes that do not claim to run on it harmlessly, and in the others
+    gives a payload of the promised size without a look at the data (no error)."""
+    q = _fresh(spec)
+    x = _data((300,))
+    assert q.encode(x, seed=4, name="w", check_finite=False).same_bytes(_fresh(spec).encode(x, seed=4, name="w"))
+    x[123] = bad
+    q = _fresh(spec)
+    if not q.skips_finite_check(x):
+        with pytest.raises(NonFiniteError, match="layer3.weight"):
+            q.encode(x, seed=0, name="layer3.weight", check_finite=False)
+        return
+    try:
+        p = q.encode(x, seed=0, name="layer3.weight", check_finite=False)
+    except NonFiniteError as e:   # (a kernel may find NaN/Inf itself at no cost: the error still names x)
+        assert "layer3.weight" in str(e)
+    else:
+        assert p.numel == x.numel() and q.expected_nbytes(300) == p.nbytes
+
+
+def test_the_hook_schemes_skip_the_check():
+    """The list above is what the quantizers claim (not vacuous either way)."""
+    x = _data((300,))
+    for name in gradq.available():
+        q = gradq.build(name)
+        assert q.skips_finite_check(x) == (name.split(":")[0] in SKIPPING), name
+    assert not gradq.build("maxnorm").skips_finite_check(x, {"scale": torch.ones(1)})  # a shared scale: checked
+
+
 def test_non_float_input_is_refused(spec):
     with pytest.raises(TypeError, match="floating-point"):
         _fresh(spec).encode(torch.arange(10), seed=0)

@@ -78,6 +78,10 @@ def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
             "gradq does not encode non-finite gradients (skip the step or fix the model)")
 
 
+def _screen(x: torch.Tensor, name: Optional[str]) -> None:
+    check_finite(x, name)   # (the function that encode's check_finite= argument shadows)
+
+
 class Quantizer:
     """Base class of every gradq quantizer (see the module docstring)."""
 
@@ -199,7 +203,8 @@ class Quantizer:
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
                shared: Optional[Mapping[str, torch.Tensor]] = None,
-               shared_seed: Optional[int] = None, name: Optional[str] = None) -> Payload:
+               shared_seed: Optional[int] = None, name: Optional[str] = None,
+               check_finite: bool = True) -> Payload:
         """Encode ``x`` into a :class:`Payload`.
 
         Args:
@@ -211,12 +216,21 @@ class Quantizer:
             shared_seed: a seed common to all workers, for schemes with ``needs_shared_seed``
                 (omitted, one is derived from this call's randomness and sent in the payload).
             name: the tensor's name, used in error messages and as the key of per-tensor state.
+            check_finite: ``False`` for a caller that has screened ``x`` itself (the DDP hook does, on
+                the device): a scheme whose kernels run on NaN/Inf harmlessly then skips its check,
+                which on a GPU is a host read that waits for the encode (a synchronization), so the
+                host can queue the next call while the device works. Non-finite input then gives a
+                payload whose decode is not meaningful. The schemes without such a property
+                (:meth:`skips_finite_check` is False) check anyway.
 
         Raises:
-            NonFiniteError: ``x`` holds NaN or Inf.
+            NonFiniteError: ``x`` holds NaN or Inf (with ``check_finite=False``, only where the
+                scheme checks anyway).
             TypeError: ``x`` is not a floating-point tensor.
         """
         witness = self._nonfinite_witness(x, shared)
+        if witness is not None and not check_finite:
+            witness = ""   # harmless on NaN/Inf, and the caller screened x: neither screen nor read
         v = self._flatten(x, name, screen=witness is None)
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
@@ -226,13 +240,19 @@ class Quantizer:
             fields = self._encode(v, ctx)
         except NonFiniteError:  # a kernel that found NaN/Inf itself: raise the error that names x
             if witness is not None:
-                check_finite(v, name)
+                _screen(v, name)
             raise
         # one reduction of a small field and one host read: a NaN or Inf in the witness makes its sum
         # non-finite (finite values whose sum overflows only cost the exact screen, which then passes)
-        if witness is not None and not math.isfinite(float(fields[witness].sum())):
-            check_finite(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
+        if witness and not math.isfinite(float(fields[witness].sum())):
+            _screen(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
+
+    def skips_finite_check(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]] = None) -> bool:
+        """Whether ``encode(x, shared=shared, check_finite=False)`` skips the non-finite check (no
+        screen of ``x``, no host read): True where this scheme's encode runs on NaN/Inf harmlessly on
+        every backend (see :meth:`_nonfinite_witness`)."""
+        return self._nonfinite_witness(x, shared) is not None
 
     def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
         """The name of a payload field that holds a NaN or Inf whenever ``x`` does, where this
