@@ -382,7 +382,8 @@ class _Step:
             exact = exact.view_as(x).div_(self.world)
         _, nbytes = average(x, state.quantizer, protocol, group=state.process_group, seed=seed, name=name,
                             rank=self.rank, out=x, info=info, verify=False,  # sizes: DDP's; spec: checked at step 0
-                            checksum=state.checksum, defer_damage=True)    # damage: agreed at the step's end
+                            checksum=state.checksum, defer_damage=True,    # damage: agreed at the step's end
+                            check_finite=False)  # (screened by _check_finite: no host read per payload)
         err2 = ref2 = 0.0
         if exact is not None:  # (a host read: only when the user asked for the error)
             err2 = float((x.detach().double() - exact.double()).square().sum())
@@ -404,7 +405,7 @@ class _Step:
             self.pipe_info = {"cuda_events": self.fig.events} if self.cuda else {}
             cls = ScatterPipeline if kind == "scatter" else AllgatherPipeline
             self.pipe = cls(self.state.quantizer, group=self.state.process_group, checksum=self.state.checksum,
-                            info=self.pipe_info, device=self.device)
+                            info=self.pipe_info, device=self.device, check_finite=False)  # (screened: _check_finite)
         return self.pipe
 
     def _flush_pipeline(self) -> None:

@@ -375,21 +375,25 @@ class GradqReduceScatter:
         return recv[:-1].view(N, S), recv[-1].round().to(torch.int64), sent
 
     def _encode_rows(self, rows: torch.Tensor, plan: Plan, owners: list[int], rank: int, key: str,
-                     bad: Any) -> tuple[list[torch.Tensor], Optional[int], Any]:
+                     bad: Any, screened: Optional[bool] = None) -> tuple[list[torch.Tensor], Optional[int], Any]:
         """Row ``j``'s payload for ``owners[j]``: [part lengths when variable] compressed parts, raw
         full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads, their
         common size (``None`` when data-dependent) and the count. ``bad=None``: the quantizer's own
         screen finds non-finite values (it raises before encoding anything); the rows are then
-        counted, cleaned and encoded again."""
+        counted, cleaned and encoded again. ``screened`` (default: ``bad`` is not None): the rows were
+        cleaned here, so the quantizer may skip its own check (on a GPU, a host read per payload)."""
+        if screened is None:
+            screened = bad is not None
         if bad is None:
             n_bad, _ = screen(plan.split(rows)[1])   # the raw values: no quantizer looks at them
             if n_bad:
                 bad, rows = screen(rows)
             else:
                 try:
-                    return self._encode_rows(rows, plan, owners, rank, key, 0)
+                    return self._encode_rows(rows, plan, owners, rank, key, 0, screened=False)
                 except NonFiniteError:
                     bad, rows = screen(rows)
+            screened = True
         from .comm import derive_seed
         from .comm._util import seal, seal_bytes
 
@@ -414,7 +418,7 @@ class GradqReduceScatter:
                 pk = tag if len(plan.parts) == 1 else f"{tag}:{i}"
                 ss = derive_seed(self.seed, None, pk) if q.needs_shared_seed else None
                 payloads.append(q.encode(comp[j, a:b], seed=derive_seed(self.seed, rank, pk), shared_seed=ss,
-                                         name=f"{key}:{owner}:{i}"))
+                                         name=f"{key}:{owner}:{i}", check_finite=not screened))
             buf = torch.empty(head + sum(p.nbytes for p in payloads) + raw + _FLAG + trailer, dtype=torch.uint8,
                               device=rows.device)
             if variable:

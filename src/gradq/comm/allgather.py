@@ -30,7 +30,8 @@ def allgather_bytes_per_worker(payload_nbytes: int, world_size: int) -> int:
 
 def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                    name: Optional[str] = None, info: Optional[dict] = None,
-                   verify: bool = True, checksum: bool = True, defer_damage: bool = False) -> torch.Tensor:
+                   verify: bool = True, checksum: bool = True, defer_damage: bool = False,
+                   check_finite: bool = True) -> torch.Tensor:
     """Average over the group's workers of ``q.decode(q.encode(x_m))``, identical on every rank.
 
     Args:
@@ -44,6 +45,9 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
             and the seconds spent in ``encode_s``, ``comm_s`` and ``decode_s``.
         checksum, defer_damage: a CRC-32 trailer on every payload, as in :func:`scatter_allgather`
             (a damaged payload counts as zeros in the average and the call is refused).
+        check_finite: ``False`` where the caller screened ``x`` for NaN/Inf itself (the DDP hook):
+            the encodes skip their own check where the scheme allows it (see
+            :meth:`gradq.Quantizer.encode`), which on a GPU saves a host read per payload.
     Returns:
         a tensor of ``x``'s shape and dtype.
     """
@@ -55,7 +59,7 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
     trailer = seal_bytes(x.device, checksum)
     with phase(info, "encode"):
         buf = sealed_payload(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed,
-                                      name=name), trailer)
+                                      name=name, check_finite=check_finite), trailer)
     fixed = q.expected_nbytes(x.numel())
     with phase(info, "comm"):
         bufs = all_gather_bytes(buf, None if fixed is None else fixed + trailer, group)
@@ -77,7 +81,7 @@ class AllgatherPipeline:
     Interface as :class:`gradq.comm.scatter.ScatterPipeline` (``add``, ``flush``, ``sent``)."""
 
     def __init__(self, q: Quantizer, *, group: Any = None, checksum: bool = True, info: Optional[dict] = None,
-                 pipelined: bool = True, device: Optional[torch.device] = None) -> None:
+                 pipelined: bool = True, device: Optional[torch.device] = None, check_finite: bool = True) -> None:
         import torch.distributed as dist
 
         from .scatter import _Inline, _lane
@@ -86,6 +90,7 @@ class AllgatherPipeline:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.checksum = checksum
+        self.check_finite = check_finite
         self.info = {} if info is None else info
         self.pipelined = pipelined and (device is None or torch.device(device).type == "cpu")
         self.lane: Any = _lane() if self.pipelined else _Inline
@@ -120,8 +125,8 @@ class AllgatherPipeline:
         trailer = seal_bytes(x.device, self.checksum)
         ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
         with phase(self.info, "encode"):
-            buf = sealed_payload(q.encode(x, seed=derive_seed(seed, self.rank, "encode"), shared_seed=ss, name=name),
-                                 trailer)
+            buf = sealed_payload(q.encode(x, seed=derive_seed(seed, self.rank, "encode"), shared_seed=ss, name=name,
+                                          check_finite=self.check_finite), trailer)
         fixed = q.expected_nbytes(x.numel())
         fixed = None if fixed is None else fixed + trailer
         self.sent += (self.world - 1) * int(buf.numel())

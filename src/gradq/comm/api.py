@@ -46,7 +46,8 @@ def choose_protocol(q: Quantizer, world_size: int) -> str:
 def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, seed: int,
             name: Optional[str] = None, rank: Optional[int] = None,
             out: Optional[torch.Tensor] = None, info: Optional[dict] = None,
-            verify: bool = True, checksum: bool = True, defer_damage: bool = False) -> tuple[torch.Tensor, int]:
+            verify: bool = True, checksum: bool = True, defer_damage: bool = False,
+            check_finite: bool = True) -> tuple[torch.Tensor, int]:
     """Average ``x`` over the group through ``protocol``; returns ``(average, bytes this worker sent)``.
 
     ``"local"`` (one worker) encodes and decodes in place of communicating, so the result carries the
@@ -56,9 +57,11 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
     ``verify=False`` skips the protocols' cross-rank check of size and spec (one small all-reduce per
     call) for callers that guarantee them, as the DDP hook does after its first-step check.
     ``checksum`` / ``defer_damage``: the payload CRC-32 trailers of the scatter, all-gather and
-    parameter-server protocols (:func:`scatter_allgather`); the integer all-reduce moves no payload."""
+    parameter-server protocols (:func:`scatter_allgather`); the integer all-reduce moves no payload.
+    ``check_finite=False``: the caller screened ``x`` for NaN/Inf (as :meth:`gradq.Quantizer.encode`;
+    the integer all-reduce checks as before)."""
     info = {} if info is None else info
-    safe = {"checksum": checksum, "defer_damage": defer_damage}
+    safe = {"checksum": checksum, "defer_damage": defer_damage, "check_finite": check_finite}
     if out is not None:
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out= must have x's shape {tuple(x.shape)} and dtype {x.dtype}")
@@ -73,7 +76,7 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
         r = 0 if rank is None else rank
         ss = derive_seed(seed, None, "shared") if q.needs_shared_seed else None
         with phase(info, "encode"):
-            p = q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name)
+            p = q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name, check_finite=check_finite)
         with phase(info, "decode"):
             res = q.decode(p)
         return res, 0

@@ -35,7 +35,7 @@ def _global(group: Any, rank: int) -> int:
 def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int, server: int = 0,
                           requantize: bool = False, name: Optional[str] = None,
                           info: Optional[dict] = None, verify: bool = True, checksum: bool = True,
-                          defer_damage: bool = False) -> torch.Tensor:
+                          defer_damage: bool = False, check_finite: bool = True) -> torch.Tensor:
     """Average over workers of the decoded gradients, computed at ``server`` and broadcast.
 
     Args:
@@ -48,6 +48,9 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         info: optional dict filled with ``push_nbytes`` and ``pull_nbytes`` (per worker).
         checksum, defer_damage: a CRC-32 trailer on every payload pushed (and on the re-encoded average
             pulled), as in :func:`gradq.comm.scatter_allgather`; the float32 average carries none.
+        check_finite: ``False`` where the caller screened ``x`` for NaN/Inf itself (the DDP hook):
+            the encodes skip their own check where the scheme allows it (see
+            :meth:`gradq.Quantizer.encode`), which on a GPU saves a host read per payload.
     Returns:
         a tensor of ``x``'s shape and dtype.
     """
@@ -64,7 +67,7 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
     trailer = seal_bytes(dev, checksum)
     with phase(info, "encode"):
         buf = sealed_payload(q.encode(x, seed=derive_seed(seed, rank, "encode"), shared_seed=shared_seed,
-                                      name=name), trailer)
+                                      name=name, check_finite=check_finite), trailer)
     t_comm = time.perf_counter()
 
     fixed = q.expected_nbytes(x.numel())

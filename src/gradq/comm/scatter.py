@@ -195,7 +195,7 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
                       name: Optional[str] = None, second_ef: Optional[ErrorFeedback] = None,
                       info: Optional[dict] = None, out: Optional[torch.Tensor] = None,
                       segment: Optional[int] = None, verify: bool = True, checksum: bool = True,
-                      defer_damage: bool = False) -> torch.Tensor:
+                      defer_damage: bool = False, check_finite: bool = True) -> torch.Tensor:
     """Chunked all-to-all / average / re-encode / all-gather (module docstring); same result on all ranks.
 
     Args:
@@ -215,6 +215,10 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
             arrival; a damaged one is decoded as zeros, counted in ``info["damaged"]`` and, unless
             ``defer_damage`` (the caller agrees across ranks itself), refused with
             :class:`gradq.PayloadError` on this rank once the collectives are done. Equal on all ranks.
+        check_finite: ``False`` where the caller screened ``x`` for NaN/Inf itself (the DDP hook):
+            the encodes skip their own check where the scheme allows it (see
+            :meth:`gradq.Quantizer.encode`), which on a GPU saves a host read per payload (the re-encoded averages of finite
+            decodes too).
     Returns:
         ``out``, or a new tensor of ``x``'s shape and dtype.
     """
@@ -234,7 +238,7 @@ def scatter_allgather(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed:
     res = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=x.device)  # type: ignore[union-attr]
     info = {} if info is None else info
     pipe = ScatterPipeline(q, group=group, second_ef=second_ef, checksum=checksum, info=info,
-                           pipelined=max(1, -(-n // seg)) > 1, device=x.device)
+                           pipelined=max(1, -(-n // seg)) > 1, device=x.device, check_finite=check_finite)
     pipe.add(flat, res, seed=seed, name=name, segment=seg)
     pipe.flush()
     info.update(chunk=pipe.first_chunk, segments=pipe.segments, bytes_sent=pipe.sent)
@@ -261,7 +265,7 @@ class ScatterPipeline:
 
     def __init__(self, q: Quantizer, *, group: Any = None, second_ef: Optional[ErrorFeedback] = None,
                  checksum: bool = True, info: Optional[dict] = None, pipelined: bool = True,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, check_finite: bool = True) -> None:
         # CUDA tensors: every exchange is issued from this thread, on the stream that wrote its buffer
         # (the backend's collectives run asynchronously on the GPU already; a second thread would issue
         # them on another stream with nothing ordering the two)
@@ -271,6 +275,7 @@ class ScatterPipeline:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.checksum = checksum
+        self.check_finite = check_finite
         self.info = {} if info is None else info
         self.lane: Any = _lane() if pipelined else _Inline
         self.pipelined = pipelined
@@ -343,7 +348,7 @@ class ScatterPipeline:
             for j in range(world):
                 ss = derive_seed(seed, None, f"chunk{j}") if q.needs_shared_seed else None
                 payloads.append(q.encode(pieces[j], seed=derive_seed(seed, rank, f"chunk{j}"), shared_seed=ss,
-                                         name=_key(name, f"chunk{j}{tag}")))
+                                         name=_key(name, f"chunk{j}{tag}"), check_finite=self.check_finite))
             send_sizes = [p.nbytes + trailer for p in payloads]
             if fixed is not None and any(sz != fixed for sz in send_sizes):
                 raise RuntimeError(f"{q.spec}: chunk payload sizes {send_sizes} differ from the promised {fixed}")
@@ -374,8 +379,10 @@ class ScatterPipeline:
             # a damaged chunk is not decoded: the step will be refused, and its bytes could be anything
             avg = _decode_mean(self.q, list(bodies), chunk) if all(intact) else recv.new_zeros(chunk, dtype=torch.float32)
         with phase(self.info, "encode"):
+            # (with check_finite=False: the average of finite decodes, finite unless float32 overflows)
             pb = sealed_payload(self.q2.encode(avg, seed=derive_seed(st["seed"], rank, "reencode"),
-                                               name=_key(st["name"], f"avg{rank}{st['tag']}")), trailer)
+                                               name=_key(st["name"], f"avg{rank}{st['tag']}"),
+                                               check_finite=self.check_finite), trailer)
         self.sent += (self.world - 1) * int(pb.numel())
         fixed2 = self.q2.expected_nbytes(chunk)
         group = self.group
