@@ -39,10 +39,11 @@ SCRIPT = textwrap.dedent('''
          dict(ROWS=8, COLS=512), False),
     ] + [
         ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, bucket=I, s="i32",
-         clip=F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, WIDE=C),
-         dict(W=w, TRITS=trits, G=64, BIG=big, CLIP=clip, WIDE=wide), True)
-        for w, trits, big, clip, wide in [(4, False, True, False, True), (3, False, False, True, False),
-                                          (1, True, True, True, False)]
+         clip=PF if at else F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, CLIP_AT=C, WIDE=C),
+         dict(W=w, TRITS=trits, G=64, BIG=big, CLIP=clip, CLIP_AT=at, WIDE=wide), True)
+        for w, trits, big, clip, at, wide in [(4, False, True, False, False, True), (3, False, False, True, False, False),
+                                              (1, True, True, True, False, False), (1, True, False, True, True, False),
+                                              (2, False, True, True, True, True)]
     ] + [
         ("_norm_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
          clip=F, k1=I, k2=I, ctr0=I, W=C, BUCKET=C, R=C, CLIP=C, WIDE=C, L2=C),
@@ -70,9 +71,9 @@ SCRIPT = textwrap.dedent('''
         ("_block_moments_kernel", dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, n=I,
          BLOCK=C), dict(BLOCK=4096), False),
         ("_merge_moments_kernel", dict(cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, ocnt_ptr=PF64, omean_ptr=PF64,
-         om2_ptr=PF64, nblocks=I, CHUNK=C, FINAL=C), dict(CHUNK=1024, FINAL=False), False),
+         om2_ptr=PF64, nblocks=I, clip=F, CHUNK=C, FINAL=C), dict(CHUNK=1024, FINAL=False), False),
         ("_merge_moments_kernel", dict(cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, ocnt_ptr=PF, omean_ptr=PF,
-         om2_ptr=PF, nblocks=I, CHUNK=C, FINAL=C), dict(CHUNK=1024, FINAL=True), False),
+         om2_ptr=PF, nblocks=I, clip=F, CHUNK=C, FINAL=C), dict(CHUNK=1024, FINAL=True), False),
         ("_sumsq_kernel", dict(x_ptr=PF, part_ptr=PF64, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
          dict(ROWS=8, COLS=512), False),
         ("_ms_indices_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, out_ptr=P8, n=I, bucket=I, L=C, BLOCK=C),

@@ -283,11 +283,12 @@ def population_std(x: torch.Tensor) -> torch.Tensor:
 
 
 def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
-                   ) -> tuple[Optional[float], torch.Tensor]:
+                   ) -> tuple[Optional[Union[float, torch.Tensor]], torch.Tensor]:
     """TernGrad's ``(bound, scales)``: ``bound = float32(clip)·σ`` as in ``clip_by_std`` (None when
     ``clip`` is None, ``n ≤ 1`` or ``σ = 0``: no clipping) and the per-bucket max-abs of the clipped
     vector, ``min(max |x|, bound)``. Pass ``bound`` as ``clip=`` to :func:`uniform_encode_trits` /
-    :func:`uniform_encode`."""
+    :func:`uniform_encode` of the same backend: the Triton backend keeps it on the device (a
+    one-element float32 tensor, inf for no clipping), so the encode reads nothing on the host."""
     return _impl("terngrad_stats", x)(x, clip, bucket)
 
 

@@ -360,6 +360,8 @@ def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
     if clip is None or n <= 1:
         return None, maxabs_scales(x, bucket)
     sigma, mx = _moments(x)
+    if float(sigma) != float(sigma):   # NaN/Inf in x make σ NaN: the reference's max-abs without clipping
+        return None, maxabs_scales(x, bucket)   # (NaN/Inf buckets read inf: the encode's witness sees them)
     bound = None
     if float(sigma) > 0:
         bound = float(np.float32(clip) * np.float32(float(sigma)))

@@ -153,11 +153,14 @@ def _chan_merge(na, ma, qa, nb, mb, qb):
 
 
 @_jit
-def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_ptr, nblocks,
+def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_ptr, nblocks, clip,
                           CHUNK: tl.constexpr, FINAL: tl.constexpr):
     """One level of the merge tree: each program reduces CHUNK consecutive (count, mean, centred sum
-    of squares) triples by Triton's fixed reduction tree (deterministic) into one triple; with FINAL
-    (one program) it stores σ as float32 at ``ocnt_ptr`` instead."""
+    of squares) triples by Triton's fixed reduction tree (deterministic) into one triple. With FINAL
+    (one program) ``ocnt_ptr`` is the float32 ``[max |x|, σ, bound]`` of :func:`_moments`, whose
+    max is complete: it stores σ, TernGrad's clip bound ``float32(clip)·σ`` (inf where σ is not
+    positive: no clipping, as the host's ``None``) and at ``omean_ptr`` the clipped max
+    ``min(max |x|, bound)`` (a NaN max reads the bound), all without a host read."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < nblocks
@@ -165,8 +168,13 @@ def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_pt
     m = tl.load(mean_ptr + offs, mask=ok, other=0.0)
     q = tl.load(m2_ptr + offs, mask=ok, other=0.0)
     bn, bm, bq = tl.reduce((n, m, q), 0, _chan_merge)
-    if FINAL:
-        tl.store(ocnt_ptr, tl.sqrt(bq / bn).to(tl.float32))   # (a float32 pointer here)
+    if FINAL:   # (float32 pointers here)
+        sigma = tl.sqrt(bq / bn).to(tl.float32)
+        bound = tl.where(sigma > 0, clip * sigma, float("inf"))
+        mx = tl.load(ocnt_ptr)
+        tl.store(ocnt_ptr + 1, sigma)
+        tl.store(ocnt_ptr + 2, bound)
+        tl.store(omean_ptr, tl.where(mx < bound, mx, bound))
     else:
         tl.store(ocnt_ptr + pid, bn)
         tl.store(omean_ptr + pid, bm)
@@ -256,12 +264,15 @@ def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, buc
 @_jit
 def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, bucket, s, clip, k1, k2, ctr0,
                            W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
-                           CLIP: tl.constexpr, WIDE: tl.constexpr):
+                           CLIP: tl.constexpr, CLIP_AT: tl.constexpr, WIDE: tl.constexpr):
     """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits): G
     groups of eight values (or five trits) a program, a group a thread. BIG: buckets hold at least
     a program's values, so a program reads two scales and divides twice; else every value finds its
-    bucket with a 32-bit division and divides. Whole programs run unmasked."""
+    bucket with a 32-bit division and divides. Whole programs run unmasked. CLIP_AT: ``clip`` points
+    at the bound (a float32 on the device) instead of holding it."""
     PER: tl.constexpr = 5 * G if TRITS else 8 * G
+    if CLIP_AT:
+        clip = tl.load(clip)
     first, rem = _span(n, PER)
     lo0, hi0, nowrap = _counter_halves(ctr0, first, PER)
     if (rem == PER) & nowrap:
@@ -477,8 +488,16 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
         ncol = -(-d // cols)
         _launch(_maxabs_bits_kernel, (-(-nb // rows) * ncol,), xv, bits, n, d, nb, ncol, ROWS=rows, COLS=cols)
         m = bits.view(torch.float32)
-        c = float(_clip(clip))
-        torch.where(m < c, m, torch.full_like(m, c), out=res.view(-1))  # (NaN < c is false: a NaN bucket reads c)
+        # min(max |x|, c), where NaN < c is false: a NaN bucket reads c
+        if isinstance(clip, torch.Tensor):   # a bound on the device (TernGrad's)
+            torch.where(m < clip, m, clip, out=res.view(-1))
+            return res
+        c = _clip(clip)
+        cb = int(c.view(np.int32))
+        if cb >= 0:   # one operation: non-negative floats order as their bits do, NaN above inf
+            torch.clamp(bits, max=cb, out=res.view(-1).view(torch.int32))
+        else:         # (clip = −0.0)
+            torch.where(m < float(c), m, torch.full_like(m, float(c)), out=res.view(-1))
     return res
 
 
@@ -511,7 +530,10 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused, l2=False):
     nbytes = (n + 4) // 5 if trits else (n * width + 7) // 8
     packed = _out(out, nbytes, torch.uint8, xv.device)
     k1, k2, ctr0 = _stream(rng, nb * d)
-    c = float(_clip(clip))
+    at = isinstance(clip, torch.Tensor)   # a bound on the device (TernGrad's): read there, not here
+    if at and fused:
+        clip, at = float(clip), False
+    c = clip.to(device=xv.device, dtype=torch.float32) if at else float(_clip(clip))
     if fused and 8 <= d <= _FUSED_MAX and d & (d - 1) == 0 and not trits:
         sc = torch.empty(nb, dtype=torch.float32, device=xv.device)
         if n:
@@ -528,7 +550,7 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused, l2=False):
         per = 5 if trits else 8
         _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, nb, d, s, c, k1,
                 k2, ctr0, W=max(width, 1), TRITS=trits, G=_groups(), BIG=d >= per * _groups(),
-                CLIP=bool(c < np.inf), WIDE=packed.data_ptr() % 4 == 0)
+                CLIP=at or bool(c < np.inf), CLIP_AT=at, WIDE=packed.data_ptr() % 4 == 0)
     return packed, sc
 
 
@@ -648,26 +670,29 @@ _MOMENT_BLOCK = 4096
 _MERGE_CHUNK = 1024
 
 
-def _moments(xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(σ as a float32 0-dim tensor, max |x| as float32)`` in one read of ``xv``: per block its
-    count, mean and centred sum of squares in float64, then the blocks' triples merged (Chan et al.'s
-    update) by a tree of Triton programs, each merging up to ``_MERGE_CHUNK`` of them: 3 launches for
-    up to 2^32 values. σ equals the reference's two-pass float64 σ rounded to float32, except within
-    float64 rounding (~1e-13 relative) of a float32 rounding tie."""
+def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(σ, bound, clipped max)`` in one read of ``xv``, as float32 device tensors (no host read):
+    σ as a 0-dim tensor, TernGrad's bound ``float32(clip)·σ`` (inf where σ ≤ 0 or is NaN) as one
+    element, and ``min(max |x|, bound)`` as one element. Per block its count, mean and centred sum
+    of squares in float64, then the blocks' triples merged (Chan et al.'s update) by a tree of Triton
+    programs, each merging up to ``_MERGE_CHUNK`` of them: 3 launches for up to 2^32 values. σ equals
+    the reference's two-pass float64 σ rounded to float32, except within float64 rounding (~1e-13
+    relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = (torch.empty(grid[0], dtype=torch.float64, device=xv.device) for _ in range(3))
-    out = torch.zeros(2, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ]
+    out = torch.zeros(3, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound]
+    top = torch.empty(1, dtype=torch.float32, device=xv.device)
     _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, n, BLOCK=_MOMENT_BLOCK)
     f = out.view(torch.float32)
     while cnt.numel() > _MERGE_CHUNK:
         k = -(-cnt.numel() // _MERGE_CHUNK)
         nxt = [torch.empty(k, dtype=torch.float64, device=xv.device) for _ in range(3)]
-        _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), CHUNK=_MERGE_CHUNK, FINAL=False)
+        _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=_MERGE_CHUNK, FINAL=False)
         cnt, mean, m2 = nxt
-    _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f[1:], f[1:], f[1:], cnt.numel(), CHUNK=_MERGE_CHUNK,
+    _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=_MERGE_CHUNK,
             FINAL=True)
-    return f[1], f[0]
+    return f[1], f[2:], top
 
 
 def population_std(x: torch.Tensor) -> torch.Tensor:
@@ -679,17 +704,16 @@ def population_std(x: torch.Tensor) -> torch.Tensor:
 
 
 def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
-                   ) -> tuple[Optional[float], torch.Tensor]:
-    """As :func:`gradq.kernels.reference.terngrad_stats`. σ and, with one bucket, the max-abs come
-    from one read; the clipped max is ``min(max |x|, bound)``. The bound is a host float."""
+                   ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """As :func:`gradq.kernels.reference.terngrad_stats`, but the bound is a one-element float32
+    tensor on the device (inf for the reference's ``None``: σ = 0), so nothing is read on the host;
+    the encodes here take it as ``clip=``. σ, the bound and, with one bucket, the clipped max
+    ``min(max |x|, bound)`` come from one read."""
     xv = _flat(x, "x", torch.float32)
     n = xv.numel()
     if clip is None or n <= 1:
         return None, maxabs_scales(xv, bucket)
-    sigma_t, mx = _moments(xv)
-    sigma = float(sigma_t)
-    bound = float(np.float32(clip) * np.float32(sigma)) if sigma > 0 else None
+    _, bound, top = _moments(xv, float(_clip(clip)))
     if bucket is None or bucket >= n:
-        c = float(_clip(bound))
-        return bound, torch.where(mx < c, mx, torch.full_like(mx, c)).reshape(1)
+        return bound, top
     return bound, maxabs_scales(xv, bucket, clip=bound)

@@ -92,6 +92,11 @@ class TernGrad(SummableQuantizer):
     def _clipped_matrix(self, v: torch.Tensor) -> torch.Tensor:
         return bucket_view(clip_by_std(v, self.clip), self.bucket)
 
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        # with its own scale: a NaN/Inf makes σ NaN (no clipping then) and its bucket's max-abs NaN or
+        # Inf, so that bucket's scale is NaN or Inf; every backend only does arithmetic on them
+        return "scales" if shared is None and x.dtype == torch.float32 else None
+
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {"scale": SharedStat(kernels.terngrad_stats(v, self.clip, self.bucket)[1], "max")}
 
