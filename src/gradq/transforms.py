@@ -160,8 +160,9 @@ class ErrorFeedback(Quantizer):
 
     # -- quantizer interface -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
-                     name: Optional[str] = None) -> dict[str, SharedStat]:
-        return self.inner.shared_stats(self._corrected(x, name, self.state), shared_seed=shared_seed, name=name)
+                     name: Optional[str] = None, check_finite: bool = True) -> dict[str, SharedStat]:
+        u = self._corrected(x, name, self.state, screen=self._screens(x, check_finite))
+        return self.inner.shared_stats(u, shared_seed=shared_seed, name=name, check_finite=check_finite)
 
     def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
                     generator: Optional[torch.Generator] = None,
@@ -200,25 +201,28 @@ class ErrorFeedback(Quantizer):
     def encode_codes_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
                           shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
                           generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
-                          name: Optional[str] = None) -> tuple[torch.Tensor, ErrorFeedbackState]:
+                          name: Optional[str] = None,
+                          check_finite: bool = True) -> tuple[torch.Tensor, ErrorFeedbackState]:
         """:meth:`encode_codes` on an explicit state: the codes and the next state."""
         if not self.inner.summable:
             raise TypeError(f"{self.inner.name} codes are not summable")
-        u = self._corrected(x, name, state)
+        u = self._corrected(x, name, state, screen=self._screens(x, check_finite))
         if shared is None:
-            shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed).items()}
+            shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed,
+                                                                     check_finite=check_finite).items()}
         codes = self.inner.encode_codes(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
-                                        shared_seed=shared_seed, name=name)
+                                        shared_seed=shared_seed, name=name, check_finite=check_finite)
         mine = self.inner.decode_codes(codes, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
                                        shared_seed=shared_seed)
         return codes, state.with_residual(name, u - mine)
 
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                     shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
+                     shared_seed: Optional[int] = None, name: Optional[str] = None,
+                     check_finite: bool = True) -> torch.Tensor:
         """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes."""
         codes, self.state = self.encode_codes_with(x, self.state, shared=shared, seed=seed, generator=generator,
-                                                   shared_seed=shared_seed, name=name)
+                                                   shared_seed=shared_seed, name=name, check_finite=check_finite)
         return codes
 
     def decode_codes(self, codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -283,6 +283,40 @@ def test_summed_codes_decode_to_the_mean(spec):
     assert avg.shape == xs[0].shape
 
 
+@pytest.mark.parametrize("spec", SUMMABLE_SPECS + ["ef(maxnorm:bits=2,bucket=16)"])
+def test_summable_entry_points_without_the_check(spec, monkeypatch):
+    """``check_finite=False`` on ``shared_stats``, ``encode_codes`` and ``encode_fields`` (the
+    shared-scale all-reduce in the DDP hook): the same statistics and codes, with no screen of the
+    input where the scheme skips the check (the screen replaced by a function that fails), and the
+    screen as before where it does not (Rand-K)."""
+    from gradq.quantizers import base
+
+    x = _data((300,), seed=7)
+    ss = 99 if _fresh(spec).needs_shared_seed else None
+    q = _fresh(spec)
+    stats = {k: st.value for k, st in q.shared_stats(x, shared_seed=ss, name="p").items()}
+    want = q.encode_codes(x, shared=stats, seed=3, shared_seed=ss, name="p")
+    fields = getattr(q, "encode_fields", None)
+    want_f = fields(x, shared=stats, seed=3, shared_seed=ss, name="p") if fields else None
+
+    def screen(v, name=None):
+        raise AssertionError("the up-front screen ran")
+
+    q = _fresh(spec)
+    with monkeypatch.context() as m:
+        m.setattr(base, "check_finite", screen)
+        if not q.skips_finite_check(x):
+            with pytest.raises(AssertionError, match="up-front screen"):
+                q.shared_stats(x, shared_seed=ss, name="p", check_finite=False)
+            return
+        got = {k: st.value for k, st in q.shared_stats(x, shared_seed=ss, name="p", check_finite=False).items()}
+        codes = q.encode_codes(x, shared=got, seed=3, shared_seed=ss, name="p", check_finite=False)
+        got_f = fields and q.encode_fields(x, shared=got, seed=3, shared_seed=ss, name="p", check_finite=False)
+    assert got.keys() == stats.keys() and all(torch.equal(got[k], stats[k]) for k in got)
+    assert torch.equal(codes, want)
+    assert (want_f is None and got_f is None) or torch.equal(got_f, want_f)
+
+
 def test_error_feedback_identity(spec):
     """For ef(q): decode(encode(x)) + new residual == x + old residual, every step."""
     q = _fresh(spec)

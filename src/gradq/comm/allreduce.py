@@ -94,7 +94,7 @@ def allreduce_bytes_per_worker(numel: int, world_size: int, dtype: torch.dtype) 
 
 def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                            shared_seed: Optional[int] = None, name: Optional[str] = None,
-                           info: Optional[dict] = None, verify: bool = True) -> torch.Tensor:
+                           info: Optional[dict] = None, verify: bool = True, check_finite: bool = True) -> torch.Tensor:
     """Average over workers of the decoded gradients via an integer SUM all-reduce (module docstring).
 
     Args:
@@ -107,6 +107,9 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         name: tensor name (error-feedback key).
         info: optional dict filled with ``code_dtype`` (the rule), ``wire_dtype`` (what was sent) and
             ``bytes_sent`` (:func:`allreduce_bytes_per_worker` for the codes).
+        check_finite: ``False`` where the caller screened ``x`` for NaN/Inf itself (the DDP hook):
+            the statistics and codes skip their own screen where the scheme allows it (see
+            :meth:`gradq.Quantizer.encode`): one pass over ``x`` less each, and on a GPU a host read.
     Raises:
         TypeError: ``q`` is not summable (use :func:`allgather_mean` or :func:`scatter_allgather`).
     """
@@ -121,7 +124,7 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
     extra = [] if shared_seed is None else [int(shared_seed) & ((1 << 63) - 1)]
     check_inputs("shared_scale_allreduce", x, q, group, extra, verify=verify)
     return shared_scale_allreduce_many([x], q, group=group, seeds=[seed], shared_seeds=[shared_seed], names=[name],
-                                       info=info)[0]
+                                       info=info, check_finite=check_finite)[0]
 
 
 def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what: str) -> tuple[dict, int]:
@@ -138,7 +141,8 @@ def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what:
 def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, group: Any = None,
                                 seeds: Sequence[int], shared_seeds: Optional[Sequence[Optional[int]]] = None,
                                 names: Optional[Sequence[Optional[str]]] = None,
-                                info: Optional[dict] = None, extra: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                                info: Optional[dict] = None, extra: Optional[torch.Tensor] = None,
+                                check_finite: bool = True) -> list[torch.Tensor]:
     """:func:`shared_scale_allreduce` of several tensors at once, each quantized on its own (layer-wise
     schemes keep one scale per tensor) with its own seed, name and shared seed, but with ONE exchange
     per wire dtype for all their shared statistics (whatever their reduction ops, while small; else one
@@ -148,7 +152,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
 
     ``extra``: a 1-D float32 vector to SUM over ranks along with the statistics (in their exchange:
     the hook's float32 tensors and its agreement values ride there instead of taking a round of their
-    own); its sum is left in ``info["extra_sum"]`` (``info`` is then required)."""
+    own); its sum is left in ``info["extra_sum"]`` (``info`` is then required). ``check_finite``: as in
+    :func:`shared_scale_allreduce`."""
     from . import derive_seed
 
     n = len(xs)
@@ -165,7 +170,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
 
     # 1. every tensor's shared statistics, one exchange per wire dtype (and the extra, summed beside them)
     with phase(info, "encode"):
-        stats = [q.shared_stats(x, shared_seed=ss, name=nm) for x, ss, nm in zip(xs, shared_seeds, names)]
+        stats = [q.shared_stats(x, shared_seed=ss, name=nm, check_finite=check_finite)
+                 for x, ss, nm in zip(xs, shared_seeds, names)]
     batches: dict[str, list[tuple[Any, torch.Tensor, str]]] = {}
     for i, st in enumerate(stats):
         for key in sorted(st):
@@ -201,7 +207,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
         fields = None
         with phase(info, "encode"):
             if max_code is not None and hasattr(q, "encode_fields"):
-                fields = q.encode_fields(x, shared=reduced[i], seed=seed_r, shared_seed=shared_seeds[i], name=names[i])
+                fields = q.encode_fields(x, shared=reduced[i], seed=seed_r, shared_seed=shared_seeds[i], name=names[i],
+                                         check_finite=check_finite)
             if fields is not None:
                 # fast path: one byte c + s per coordinate; Σ_m fields fits uint8 when 2Ms ≤ 255
                 rule = code_dtype(world, int(max_code))
@@ -210,7 +217,7 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                 totals.append((fields.to(wire) if wide else fields, True))
             else:
                 codes = q.encode_codes(x, shared=reduced[i], seed=seed_r,  # type: ignore[attr-defined]
-                                       shared_seed=shared_seeds[i], name=names[i])
+                                       shared_seed=shared_seeds[i], name=names[i], check_finite=check_finite)
                 rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
                 wire = reduce_dtype(rule, backend)
                 totals.append((codes.to(wire).contiguous(), False))

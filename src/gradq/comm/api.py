@@ -58,8 +58,7 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
     call) for callers that guarantee them, as the DDP hook does after its first-step check.
     ``checksum`` / ``defer_damage``: the payload CRC-32 trailers of the scatter, all-gather and
     parameter-server protocols (:func:`scatter_allgather`); the integer all-reduce moves no payload.
-    ``check_finite=False``: the caller screened ``x`` for NaN/Inf (as :meth:`gradq.Quantizer.encode`;
-    the integer all-reduce checks as before)."""
+    ``check_finite=False``: the caller screened ``x`` for NaN/Inf (as :meth:`gradq.Quantizer.encode`)."""
     info = {} if info is None else info
     safe = {"checksum": checksum, "defer_damage": defer_damage, "check_finite": check_finite}
     if out is not None:
@@ -81,7 +80,8 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
             res = q.decode(p)
         return res, 0
     if protocol == "allreduce":
-        out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info, verify=verify)
+        out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info, verify=verify,
+                                     check_finite=check_finite)
     elif protocol == "scatter":
         out = scatter_allgather(x, q, group=group, seed=seed, name=name, info=info, verify=verify, **safe)
     elif protocol == "allgather":

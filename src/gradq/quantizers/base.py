@@ -165,9 +165,17 @@ class Quantizer:
 
     # -- what must be shared -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
-                     name: Optional[str] = None) -> dict[str, SharedStat]:
-        """Quantities the workers must reduce before encoding ``x`` (empty for most schemes)."""
-        return self._shared_stats(self._flatten(x, name), shared_seed)
+                     name: Optional[str] = None, check_finite: bool = True) -> dict[str, SharedStat]:
+        """Quantities the workers must reduce before encoding ``x`` (empty for most schemes);
+        ``check_finite`` as in :meth:`encode`."""
+        return self._shared_stats(self._flatten(x, name, self._screens(x, check_finite)), shared_seed)
+
+    def _screens(self, x: torch.Tensor, check_finite: bool) -> bool:
+        """Whether a summable entry point (:meth:`shared_stats`, ``encode_codes``, ``encode_fields``)
+        screens ``x`` up front: always, unless the caller screened it (``check_finite=False``) and
+        this scheme's kernels run on NaN/Inf harmlessly (the property :meth:`skips_finite_check`
+        states of its own-scale encode; the same kernels run under shared statistics)."""
+        return check_finite or not self.skips_finite_check(x)
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {}
@@ -420,9 +428,11 @@ class SummableQuantizer(Quantizer):
 
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                     shared_seed: Optional[int] = None, name: Optional[str] = None) -> torch.Tensor:
-        """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats."""
-        v = self._flatten(x, name)
+                     shared_seed: Optional[int] = None, name: Optional[str] = None,
+                     check_finite: bool = True) -> torch.Tensor:
+        """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats
+        (``check_finite`` as in :meth:`encode`)."""
+        v = self._flatten(x, name, self._screens(x, check_finite))
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
         ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
@@ -447,15 +457,17 @@ class SummableQuantizer(Quantizer):
 
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                      shared_seed: Optional[int] = None, name: Optional[str] = None) -> Optional[torch.Tensor]:
+                      shared_seed: Optional[int] = None, name: Optional[str] = None,
+                      check_finite: bool = True) -> Optional[torch.Tensor]:
         """The codes as one uint8 *field* ``c + max_code`` per coordinate, through a fused fast path;
-        ``None`` where the scheme or device has none (then use :meth:`encode_codes`).
+        ``None`` where the scheme or device has none (then use :meth:`encode_codes`); ``check_finite``
+        as in :meth:`encode`.
 
         Same randomness as :meth:`encode_codes`: ``fields − max_code`` equals its codes exactly. The
         sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
         ``2·M·max_code ≤ 255``, and :meth:`decode_field_sum` turns it into the average."""
-        v = self._flatten(x, name)
-        if self.max_code > 127 or self.needs_shared_seed:
+        v = self._flatten(x, name, self._screens(x, check_finite))
+        if self.max_code is None or self.max_code > 127 or self.needs_shared_seed:   # (casts: no integer codes)
             return None
         ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
         return self._fields(v, ctx)
