@@ -680,14 +680,14 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
-    cnt, mean, m2 = (torch.empty(grid[0], dtype=torch.float64, device=xv.device) for _ in range(3))
+    cnt, mean, m2 = torch.empty(3, grid[0], dtype=torch.float64, device=xv.device)   # (one allocation)
     out = torch.zeros(3, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound]
     top = torch.empty(1, dtype=torch.float32, device=xv.device)
     _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, n, BLOCK=_MOMENT_BLOCK)
     f = out.view(torch.float32)
     while cnt.numel() > _MERGE_CHUNK:
         k = -(-cnt.numel() // _MERGE_CHUNK)
-        nxt = [torch.empty(k, dtype=torch.float64, device=xv.device) for _ in range(3)]
+        nxt = torch.empty(3, k, dtype=torch.float64, device=xv.device)
         _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=_MERGE_CHUNK, FINAL=False)
         cnt, mean, m2 = nxt
     _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=_MERGE_CHUNK,
