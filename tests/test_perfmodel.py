@@ -364,6 +364,14 @@ def test_codec_times_are_read_per_mb_and_found_under_any_spelling(tmp_path):
     assert pm.predict(M100, "none", flat(), 4, codec_times=path).encode_ms == 0.0   # fp32: no codec
 
 
+def test_codec_times_take_the_encode_the_hook_makes(tmp_path):
+    """A GPU file also holds the encode without the NaN/Inf check, which is the one the DDP hook
+    makes (it screens the bucket itself): that time is the projection's."""
+    path = _times_file(tmp_path, [{"spec": "maxnorm:bits=4", "encode_ms": 20.0, "decode_ms": 5.0,
+                                   "encode_unchecked_ms": 12.0}])
+    assert pm.load_codec_times(path).lookup("maxnorm:bits=4") == (0.12, 0.05)
+
+
 @pytest.mark.parametrize("which, device", [("default", "CPU"), ("h100", "H100")])
 def test_shipped_codec_times_cover_the_papers_schemes(which, device):
     times = pm.codec_times_from(which)
