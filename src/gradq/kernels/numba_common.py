@@ -321,29 +321,27 @@ def _pack_trits(tmp, out):
         out[full] = acc
 
 
-@_inline
-def _div3(b):
-    return (b * 171) >> 9  # b // 3 for 0 <= b < 768
+#: the five base-3 digits of every byte, least significant first: ``(b // 3**k) % 3`` (bytes above
+#: 242 are not trits; they decode to these digits and are counted as bad). A constant of the kernels.
+_TRITS = np.array([[(b // 3 ** k) % 3 for k in range(5)] for b in range(256)], dtype=np.uint8)
 
 
 @_inline
 def _unpack_trits(data, tmp):
-    """Trits of ``data`` into ``tmp``; returns the number of bytes above 242 (3**5 − 1)."""
+    """Trits of ``data`` into ``tmp``; returns the number of bytes above 242 (3**5 − 1). A byte's
+    digits come from a 1.25 KiB table (five loads) instead of four divisions by 3 and five
+    remainders: about twice as fast."""
     m = tmp.size
     bad = 0
     full = m // 5
     for j in range(full):
         b = np.int32(data[j])
         bad += b > 242
-        q1 = _div3(b)
-        q2 = _div3(q1)
-        q3 = _div3(q2)
-        q4 = _div3(q3)
-        tmp[5 * j] = b - 3 * q1
-        tmp[5 * j + 1] = q1 - 3 * q2
-        tmp[5 * j + 2] = q2 - 3 * q3
-        tmp[5 * j + 3] = q3 - 3 * q4
-        tmp[5 * j + 4] = q4 - 3 * _div3(q4)
+        tmp[5 * j] = _TRITS[b, 0]
+        tmp[5 * j + 1] = _TRITS[b, 1]
+        tmp[5 * j + 2] = _TRITS[b, 2]
+        tmp[5 * j + 3] = _TRITS[b, 3]
+        tmp[5 * j + 4] = _TRITS[b, 4]
     if full * 5 < m:
         b = np.int32(data[full])
         bad += b > 242
