@@ -22,7 +22,7 @@ $(STAMP): $(PY) requirements-pins.txt pyproject.toml
 setup: $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 demo: setup
 	$(VENV)/bin/gradq demo
