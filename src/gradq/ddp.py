@@ -46,7 +46,8 @@ reproduces the uninterrupted run bit for bit.
 Non-finite gradients and damaged payloads **[decided]**: nobody stops mid-step, so no rank waits alone
 in a collective. A rank whose group holds a non-finite value encodes zeros in its place and counts it;
 payloads whose CRC-32 fails are counted where they arrive; the step's last collective sums both counts
-over the ranks (on a GPU the count stays on the device until then: the host reads it once per step).
+over the ranks (on a GPU the count stays on the device until then: the host reads it once per step;
+the protocols encode the screened groups with ``check_finite=False``, so no encode reads one either).
 Then every rank decides alike: ``nan_policy="raise"`` raises :class:`NonFiniteError` (the rank that saw
 it names the parameters) or :class:`PayloadError` on every rank; ``"skip"`` zeroes every gradient of
 the step once DDP has written them (a callback queued behind DDP's own), ``last_stats["skipped"]`` is
