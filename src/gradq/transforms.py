@@ -171,8 +171,7 @@ class ErrorFeedback(Quantizer):
         """One error-feedback step on an explicit state: the payload of ``x + e[name]`` and the next
         state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed.
         ``check_finite``: as in :meth:`gradq.Quantizer.encode`."""
-        skip = not check_finite and self.skips_finite_check(x, shared)
-        u = self._corrected(x, name, state, screen=not skip)
+        u = self._corrected(x, name, state, screen=check_finite or not self.skips_finite_check(x, shared))
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
         new = state.with_residual(name, u - self.inner.decode(payload).to(torch.float32))

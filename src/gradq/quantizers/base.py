@@ -237,8 +237,9 @@ class Quantizer:
             TypeError: ``x`` is not a floating-point tensor.
         """
         witness = self._nonfinite_witness(x, shared)
-        if witness is not None and not check_finite:
-            witness = ""   # harmless on NaN/Inf, and the caller screened x: neither screen nor read
+        # with a witness the encode runs on NaN/Inf harmlessly: no screen first, and unless the caller
+        # screened x itself (check_finite=False), one look at the witness afterwards
+        read = witness is not None and check_finite
         v = self._flatten(x, name, screen=witness is None)
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
@@ -252,7 +253,7 @@ class Quantizer:
             raise
         # one reduction of a small field and one host read: a NaN or Inf in the witness makes its sum
         # non-finite (finite values whose sum overflows only cost the exact screen, which then passes)
-        if witness and not math.isfinite(float(fields[witness].sum())):
+        if read and not math.isfinite(float(fields[witness].sum())):
             _screen(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
 
