@@ -294,6 +294,55 @@ def test_levels_decode_rejects_out_of_range_index():
         K.levels_decode(packed, levels, None, 3, 40)
 
 
+@pytest.mark.parametrize("width", range(1, 9))
+@pytest.mark.parametrize("bucket", [1, 7, 512, None])
+def test_levels_decode_of_every_field_value(width, bucket):
+    """The raw kernel on fields drawn over the whole width, so that some name no level: every index
+    ``< L`` gives its row's level, every other gives the row's first level and is counted once.
+    Lengths leave every remainder mod 16 at some bucket (the vector loop's tail) and 70,001 spans
+    two chunks; widths up to 5 go through the table look-up, wider ones through the plain loop."""
+    from gradq.kernels import numba_ops
+    cpu = numba_ops._cpu()
+    g = torch.Generator().manual_seed(width)
+    for L in sorted({max(2, (1 << (width - 1)) + 1), 1 << width, 3} & set(range(2, 257))):
+        for n in (0, 1, 15, 17, 513, 70_001):
+            d = numba_ops._bucket(n, bucket)
+            nb = numba_ops._nbuckets(n, d)
+            fields = torch.randint(0, 1 << width, (n,), generator=g)
+            levels = torch.randn(nb, L, generator=g)
+            out = torch.full((n,), float("nan"))
+            bad = cpu.levels_decode(pack_bits(fields, width).numpy(), levels.numpy().reshape(-1), L, d, width,
+                                    numba_ops._chunk(d), out.numpy()) if n else 0
+            ok = fields < L
+            want = levels.reshape(-1)[bucket_index(n, bucket, out.device) * L + torch.where(ok, fields, 0)]
+            assert torch.equal(out, want), (width, L, n, bucket)
+            assert bad == int((~ok).sum()), (width, L, n, bucket)
+
+
+def test_decodes_count_every_corrupt_field():
+    """The decodes find corrupt fields by their maximum and count them only then: the count in the
+    error is exact, and one bad field among valid ones, anywhere (first, middle, in a tail), is
+    seen."""
+    n, bucket = 1000, 64
+    x = data(n, 5)
+    sc = K.maxabs_scales(x, bucket)
+    packed = K.uniform_encode(x, sc, 1, bucket, 2, 0)   # s = 1: fields 0..2, 3 is corrupt
+    for where in ([0], [517], [n - 1], [3, 64, 65, 999]):
+        bad = packed.clone()
+        for i in where:
+            bad[i // 4] |= 3 << (2 * (i % 4))
+        with pytest.raises(PayloadError, match=f"corrupt codes: {len(where)} fields above 2"):
+            K.uniform_decode(bad, sc, 1, bucket, 2, n, max_field=2)
+    levels = orq_levels(x.view(-1, 8), 5)   # 125 buckets of 8
+    packed = K.levels_encode(x, levels, 8, 3, 0)
+    for where in ([0], [517], [n - 1]):
+        bad = packed.clone()
+        fields = unpack_bits(bad, 3, n)
+        fields[where] = 6
+        with pytest.raises(PayloadError, match="level index out of range"):
+            K.levels_decode(pack_bits(fields, 3), levels, 8, 3, n)
+
+
 # -- one bit ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("n", SIZES)

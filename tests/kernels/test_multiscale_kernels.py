@@ -71,6 +71,20 @@ def test_errors():
         N.multiscale_decode(torch.zeros(25, dtype=torch.uint8), bad, sc, (1, 3, 15), None, 2, 2, 100)
 
 
+def test_two_scale_decode_sees_one_corrupt_index_anywhere():
+    """With two scales the decode checks the indices by their maximum; one index of 2 or 3 among
+    valid ones, first, in the middle or last, still raises."""
+    n = 1000
+    sc = R.maxabs_scales(data(n, 2), 64)
+    codes = torch.zeros((2 * n + 7) // 8, dtype=torch.uint8)
+    for i in (0, 517, n - 1):
+        index = torch.zeros((2 * n + 7) // 8, dtype=torch.uint8)
+        index[i // 4] = 2 << (2 * (i % 4))
+        with pytest.raises(PayloadError, match="corrupt scale index"):
+            N.multiscale_decode(codes, index, sc, (1, 31), 64, 2, 2, n)
+    N.multiscale_decode(codes, torch.zeros_like(codes), sc, (1, 31), 64, 2, 2, n)   # and none raises nothing
+
+
 def test_thread_count_does_not_change_bytes():
     x = data(300_007, 2)
     sc = R.maxabs_scales(x, 1000)

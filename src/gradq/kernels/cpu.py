@@ -31,10 +31,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _bucket_max, _fill_uniform, _inline,
-                           _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _kernel, _maxabs_bits, _pack,
-                           _pack_trits, _round_any, _round_sorted, _run_end, _run_keys, _uniform, _unpack,
-                           _unpack_trits)
+from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _bucket_max, _count_above,
+                           _fill_uniform, _inline, _ir_counters, _ir_splat, _ir_target_features, _ir_uniform,
+                           _ir_vectors, _kernel, _maxabs_bits, _pack, _pack_trits, _round_any, _round_sorted,
+                           _run_end, _run_keys, _uniform, _unpack, _unpack_trits)
 
 from .reference import FLOAT32_MAX as _FLOAT32_MAX  # noqa: E402  (numba reads it as a constant)
 
@@ -324,16 +324,21 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
                 mult = scales[j, b] / sf
                 ts = tmp[p - e0:q - e0]
                 os = out[p:q]
+                # the largest field rides along (a max reduction vectorizes; a count in the loop
+                # did not); the fields above max_field are counted only where there are some
+                mx = np.uint8(0)
                 if j == 0:
                     for i in range(q - p):
-                        f = np.int32(ts[i])
-                        nbad += f > max_field
-                        os[i] = F32(f - s) * mult
+                        f = ts[i]
+                        mx = max(mx, f)
+                        os[i] = F32(np.int32(f) - s) * mult
                 else:
                     for i in range(q - p):
-                        f = np.int32(ts[i])
-                        nbad += f > max_field
-                        os[i] = os[i] + F32(f - s) * mult
+                        f = ts[i]
+                        mx = max(mx, f)
+                        os[i] = os[i] + F32(np.int32(f) - s) * mult
+                if mx > max_field:
+                    nbad += _count_above(ts, max_field)
                 p = q
         if m > 1:
             os = out[e0:e1]
@@ -384,16 +389,94 @@ def levels_encode(x, levels, L, bucket, width, k1, k2, ctr0, chunk, out):
         _pack(tmp, width, out[(e0 * width) // 8:])
 
 
+def _lookup_intrinsic(T):
+    """``os[i] = table[ts[i]]`` for the first ``16·nvec`` fields (each below ``T``, 16 or 32;
+    ``table`` holds ``T`` float32); returns their largest field. The table is cut into pieces of 16
+    (AVX-512) or 8 (AVX2) entries, each looked up by one permute, and the pieces chosen by selects on
+    the field; other CPUs take a chain of ``T − 1`` selects."""
+    @intrinsic
+    def _impl(typingctx, ts, os, nvec, table):
+        sig = types.uint8(ts, os, nvec, table)
+
+        def codegen(context, builder, signature, args):
+            tptr = context.make_array(signature.args[0])(context, builder, args[0]).data
+            optr = context.make_array(signature.args[1])(context, builder, args[1]).data
+            lptr = context.make_array(signature.args[3])(context, builder, args[3]).data
+            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+            vb = ir.VectorType(i8, _LANES)
+            _, vi, vf, const, _ = _ir_vectors()
+            feats = _ir_target_features(context)
+            lanes, name = (16, "llvm.x86.avx512.permvar.sf.512") if "avx512f" in feats else (
+                (8, "llvm.x86.avx2.permps") if "avx2" in feats else (0, ""))
+
+            def piece(v, start, count):  # lanes start … start + count − 1 of a vector
+                return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, count), list(range(start, start + count))))
+
+            if lanes:
+                vfp, vip = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
+                perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vfp, [vfp, vip]), name)
+                tabs = [builder.load(builder.bitcast(builder.gep(lptr, [ir.Constant(ir.IntType(64), k)]),
+                                                     vfp.as_pointer()), align=4) for k in range(0, T, lanes)]
+
+                def look(idx):
+                    parts = []
+                    for h in range(0, _LANES, lanes):
+                        ih = idx if lanes == _LANES else piece(idx, h, lanes)
+                        r = builder.call(perm, [tabs[0], ih])
+                        for k in range(1, len(tabs)):
+                            above = builder.icmp_unsigned(">", ih, ir.Constant(vip, [k * lanes - 1] * lanes))
+                            r = builder.select(above, builder.call(perm, [tabs[k], ih]), r)
+                        parts.append(r)
+                    return parts[0] if len(parts) == 1 else builder.shuffle_vector(
+                        parts[0], parts[1], ir.Constant(vi, list(range(_LANES))))
+            else:
+                entries = [_ir_splat(builder, vf, builder.load(builder.gep(lptr, [ir.Constant(ir.IntType(64), j)])))
+                           for j in range(T)]
+
+                def look(idx):
+                    v = entries[0]
+                    for j in range(1, T):
+                        v = builder.select(builder.icmp_unsigned("==", idx, const(j)), entries[j], v)
+                    return v
+
+            top = cgutils.alloca_once_value(builder, ir.Constant(vb, [0] * _LANES))
+            with cgutils.for_range(builder, args[2]) as loop:
+                off = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
+                f = builder.load(builder.bitcast(builder.gep(tptr, [off]), vb.as_pointer()), align=1)
+                m = builder.load(top)
+                builder.store(builder.select(builder.icmp_unsigned(">", f, m), f, m), top)
+                builder.store(look(builder.zext(f, vi)),
+                              builder.bitcast(builder.gep(optr, [off]), vf.as_pointer()), align=4)
+            m = builder.load(top)
+            res = builder.extract_element(m, ir.Constant(i32, 0))
+            for j in range(1, _LANES):
+                e = builder.extract_element(m, ir.Constant(i32, j))
+                res = builder.select(builder.icmp_unsigned(">", e, res), e, res)
+            return res
+
+        return sig, codegen
+
+    return _impl
+
+
+_lookup16, _lookup32 = _lookup_intrinsic(16), _lookup_intrinsic(32)
+
+
 @_kernel
 def levels_decode(data, levels, L, bucket, width, chunk, out):
-    """``out[i] = levels[b·L + index_i]``; returns the number of indices ``≥ L`` (decoded as 0)."""
+    """``out[i] = levels[b·L + index_i]``; returns the number of indices ``≥ L`` (decoded as 0).
+    Indices of up to 5 bits look their bucket's row up in a table of 16 or 32 entries (the row,
+    then ``levels[b·L]`` for the indices it does not have), 16 at a time."""
     n = out.size
     nch = (n + chunk - 1) // chunk
     bad = np.zeros(nch, np.int64)
+    tsize = 16 if width <= 4 else 32
     for c in prange(nch):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
         tmp = np.empty(e1 - e0, np.uint8)
+        table = np.empty(tsize, np.float32)
         _unpack(data[(e0 * width) // 8:], width, tmp)
         nbad = 0
         p = e0
@@ -403,11 +486,26 @@ def levels_decode(data, levels, L, bucket, width, chunk, out):
             lv = levels[b * L:(b + 1) * L]
             ts = tmp[p - e0:q - e0]
             os = out[p:q]
-            for i in range(q - p):
-                f = np.int64(ts[i])
-                ok = f < L
-                nbad += not ok
-                os[i] = lv[f if ok else 0]
+            if width <= 5:
+                for j in range(tsize):
+                    table[j] = lv[j] if j < L else lv[0]
+                full = (q - p) // _LANES
+                if tsize == 16:
+                    mx = _lookup16(ts, os, full, table)
+                else:
+                    mx = _lookup32(ts, os, full, table)
+                for i in range(full * _LANES, q - p):
+                    f = ts[i]
+                    mx = max(mx, f)
+                    os[i] = table[f]
+            else:
+                mx = np.uint8(0)
+                for i in range(q - p):
+                    f = ts[i]
+                    mx = max(mx, f)
+                    os[i] = lv[f if f < L else 0]
+            if mx >= L:
+                nbad += _count_above(ts, L - 1)
             p = q
         bad[c] = nbad
     return bad.sum()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import _fill_uniform, _inline, _kernel, _pack, _run_end, _run_keys, _unpack
+from .numba_common import _count_above, _fill_uniform, _inline, _kernel, _pack, _run_end, _run_keys, _unpack
 
 F32 = np.float32
 
@@ -201,10 +201,13 @@ def decode(codes, index, w, bucket, levels, width, iwidth, n, chunk, out):
             fs = tmp[g - e0:q - e0]
             os = out[g:q]
             if nlev == 2:  # two scales: a select and a division (vectorized) instead of a table lookup
+                mx = np.uint8(0)
                 for i in range(q - g):
-                    k = np.int64(ks[i])
-                    nbad += k >= 2
+                    k = ks[i]
+                    mx = max(mx, k)
                     os[i] = (F32(np.int32(fs[i]) - s1) / (l1 if k == 1 else l0)) * sc
+                if mx >= 2:
+                    nbad += _count_above(ks, 1)
             else:
                 for i in range(q - g):
                     k = np.int64(ks[i])
