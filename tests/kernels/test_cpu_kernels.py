@@ -78,6 +78,19 @@ def test_l2_scales(n, bucket):
     assert torch.equal(K.l2_scales(x, bucket), bucket_norms(bucket_view(x, bucket), "l2"))
 
 
+@pytest.mark.parametrize("bucket", BUCKETS + [70_000])
+@pytest.mark.parametrize("n", SIZES + [140_001])
+def test_l2_uniform_encode_matches_reference(n, bucket):
+    """QSGD with ``norm=l2``: each bucket's norm computed in the encoding pass (buckets up to 65,536
+    values) or first, in parallel parts (larger ones), gives the reference's scales and bytes; the
+    data's 3e38 entries make some norms saturate at the largest float32."""
+    x = data(n, 200 + n)
+    scales = bucket_norms(bucket_view(x, bucket), "l2")
+    packed, got = K.l2_uniform_encode(x, 7, bucket, 4, n)
+    assert torch.equal(got, scales), (n, bucket)
+    assert torch.equal(packed, ref_uniform(x, scales, 7, bucket, 4, RandomStream(n))), (n, bucket)
+
+
 @pytest.mark.parametrize("s,width", UNIFORM)
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_uniform_encode_and_decode_match_reference(s, width, bucket):

@@ -132,7 +132,9 @@ def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor
     return res
 
 
-def _uniform(x, scales, s, bucket, width, rng, clip, out, fused):
+def _uniform(x, scales, s, bucket, width, rng, clip, out, norm=None):
+    """Codes under ``scales``, or under each bucket's ``norm`` (``"max"`` or ``"l2"``) computed in
+    the same pass while the bucket is in cache; returns ``(packed, scales)``."""
     xv = _vec(x, "x", torch.float32)
     n = xv.size
     d = _bucket(n, bucket)
@@ -140,16 +142,20 @@ def _uniform(x, scales, s, bucket, width, rng, clip, out, fused):
     nbytes = (n + 4) // 5 if width == 0 else (n * width + 7) // 8
     packed = _out(out, nbytes, torch.uint8)
     k1, k2, ctr0 = _stream(rng, nb * d)
-    if fused:
+    compute = {None: 0, "max": 1, "l2": 2}[norm]
+    if compute:
         sc = torch.empty(nb, dtype=torch.float32)
         if d > _PART and n:   # a big bucket: its norm first (parallel over parts), then quantize
-            maxabs_scales(x, bucket, clip, out=sc)
-            fused = False
+            if compute == 1:
+                maxabs_scales(x, bucket, clip, out=sc)
+            else:
+                l2_scales(x, bucket, out=sc)
+            compute = 0
     else:
         sc = scales
     sv = _scales(sc, nb)
     if n:
-        _cpu().uniform_encode(xv, xv.view(np.int32), sv, fused, s, d, width, _clip(clip), k1, k2, ctr0,
+        _cpu().uniform_encode(xv, xv.view(np.int32), sv, compute, s, d, width, _clip(clip), k1, k2, ctr0,
                               _chunk(d), packed.numpy())
     return packed, sc
 
@@ -160,7 +166,7 @@ def uniform_encode(x: torch.Tensor, scales: torch.Tensor, s: int, bucket: Option
     """QSGD-style codes ``c = sgn(x)·min(floor(|x|·s/scale + u), s)`` under the given per-bucket
     ``scales`` (MaxNorm's shared scale), packed as ``width``-bit fields ``c + s``; ``clip`` clamps x
     first (TernGrad). Returns ``ceil(n·width/8)`` uint8 bytes."""
-    return _uniform(x, scales, _levels_s(s, _width(width)), bucket, width, rng, clip, out, False)[0]
+    return _uniform(x, scales, _levels_s(s, _width(width)), bucket, width, rng, clip, out)[0]
 
 
 def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
@@ -168,14 +174,14 @@ def maxabs_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width:
                           out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`maxabs_scales` and :func:`uniform_encode` fused (QSGD with ``norm=max``): each bucket's
     norm, codes and bytes in one pass while it is in cache. Returns ``(packed, scales)``."""
-    return _uniform(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, True)
+    return _uniform(x, None, _levels_s(s, _width(width)), bucket, width, rng, clip, out, "max")
 
 
 def l2_uniform_encode(x: torch.Tensor, s: int, bucket: Optional[int], width: int, rng: RngLike,
                       out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`l2_scales`, then :func:`uniform_encode` under them (QSGD with ``norm=l2``)."""
-    scales = l2_scales(x, bucket)
-    return uniform_encode(x, scales, s, bucket, width, rng, None, out), scales
+    """:func:`l2_scales` and :func:`uniform_encode` under them (QSGD with ``norm=l2``), fused as
+    :func:`maxabs_uniform_encode` is. Returns ``(packed, scales)``."""
+    return _uniform(x, None, _levels_s(s, _width(width)), bucket, width, rng, None, out, "l2")
 
 
 def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], rng: RngLike,
@@ -184,7 +190,7 @@ def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional
     """TernGrad's codes ``{−1, 0, 1}`` (``s = 1``) as trits ``c + 1``, five per byte (``ceil(n/5)``
     bytes); ``clip`` is TernGrad's bound ``c·σ``. For ``pack=2bit`` use :func:`uniform_encode` with
     ``s=1, width=2``."""
-    return _uniform(x, scales, 1, bucket, 0, rng, clip, out, False)[0]
+    return _uniform(x, scales, 1, bucket, 0, rng, clip, out)[0]
 
 
 def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], width: int,
