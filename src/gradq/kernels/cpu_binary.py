@@ -159,6 +159,66 @@ def _first_fold(xs, t, kind, lo, hi):
     return h + (m & 1), c
 
 
+_FOLD_M = 512   # the bucket length whose sums one vector fold computes (the binary schemes' default)
+
+
+def _fold_intrinsic(kind):
+    """:func:`_first_fold` and :func:`_fold` of one bucket of exactly ``_FOLD_M`` values, in
+    registers: ``lo[0]`` (and for ``_SPLIT`` ``lo[1]``) get the sums, the count of ``x ≥ t`` is
+    returned. The same additions in the same order (each fold adds the upper half of the vector to
+    the lower), so the same bits; the loops with a trip count known only at run time, and their
+    scratch stores, ran 2–3× slower."""
+    @intrinsic
+    def _impl(typingctx, xs, t, lo):
+        sig = types.int64(xs, types.float64, lo)
+
+        def codegen(context, builder, signature, args):
+            xptr = context.make_array(signature.args[0])(context, builder, args[0]).data
+            lptr = context.make_array(signature.args[2])(context, builder, args[2]).data
+            f32, f64, i32, i64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+            h = _FOLD_M // 2
+            vd = ir.VectorType(f64, h)
+
+            def part(vec, start, count):
+                return builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, count), list(range(start, start + count))))
+
+            v = builder.load(builder.bitcast(xptr, ir.VectorType(f32, _FOLD_M).as_pointer()), align=4)
+            a, b = builder.fpext(part(v, 0, h), vd), builder.fpext(part(v, h, h), vd)
+            count = ir.Constant(i64, 0)
+            if kind == _SUM:
+                sums = [builder.fadd(a, b)]
+            elif kind == _ABSSUM:
+                fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd]), f"llvm.fabs.v{h}f64")
+                sums = [builder.fadd(builder.call(fabs, [a]), builder.call(fabs, [b]))]
+            else:
+                zero = ir.Constant(vd, [0.0] * h)
+                tv = _ir_splat(builder, vd, args[1])
+                ua, ub = builder.fcmp_ordered(">=", a, tv), builder.fcmp_ordered(">=", b, tv)
+                sums = [builder.fadd(builder.select(ua, zero, a), builder.select(ub, zero, b)),
+                        builder.fadd(builder.select(ua, a, zero), builder.select(ub, b, zero))]
+                vc = ir.VectorType(ir.IntType(16), h)
+                both = builder.add(builder.zext(ua, vc), builder.zext(ub, vc))
+                reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(16), [vc]),
+                                                        f"llvm.vector.reduce.add.v{h}i16")
+                count = builder.zext(builder.call(reduce, [both]), i64)
+            for k, acc in enumerate(sums):
+                m = h
+                while m > 1:
+                    m //= 2
+                    acc = builder.fadd(part(acc, 0, m), part(acc, m, m))
+                builder.store(builder.extract_element(acc, ir.Constant(i32, 0)),
+                              builder.gep(lptr, [ir.Constant(i64, k)]))
+            return count
+
+        return sig, codegen
+
+    return _impl
+
+
+_fold_sum, _fold_abssum, _fold_split = (_fold_intrinsic(k) for k in (_SUM, _ABSSUM, _SPLIT))
+
+
 @_func
 def _bucket_sums(xs, t, kind, block, lo, hi, blo, bhi):
     """Sums of a bucket in the order of :func:`gradq.kernels.reference.pairwise_row_sum` (blocks of
@@ -167,6 +227,14 @@ def _bucket_sums(xs, t, kind, block, lo, hi, blo, bhi):
     hold ``block // 2`` values, ``blo``/``bhi`` one per block."""
     d = xs.size
     split = kind == _SPLIT
+    if d == _FOLD_M and block >= _FOLD_M:
+        if kind == _SUM:
+            c = _fold_sum(xs, t, lo)
+        elif kind == _ABSSUM:
+            c = _fold_abssum(xs, t, lo)
+        else:
+            c = _fold_split(xs, t, lo)
+        return lo[0], (lo[1] if split else 0.0), c
     if d <= block:
         r, c = _first_fold(xs, t, kind, lo, hi)
         if split:
@@ -188,6 +256,23 @@ def _bucket_sums(xs, t, kind, block, lo, hi, blo, bhi):
     return _fold(blo, nblk), 0.0, c
 
 
+@_inline
+def _means(mode, d, s0, s1, c1):
+    """``(t, v0, v1)`` of SIGN and ONEBIT (see :func:`_stats`) from a bucket's sums."""
+    if mode == SIGN:
+        return 0.0, s0 / F64(d), 0.0
+    c0 = d - c1
+    return 0.0, (s0 / F64(c0) if c0 > 0 else 0.0), (s1 / F64(c1) if c1 > 0 else 0.0)
+
+
+@_func
+def _fold_means(xs, mode, lo):
+    """:func:`_stats` of SIGN and ONEBIT for a bucket of ``_FOLD_M`` values (``lo``: 2 entries of
+    scratch), without the general path's scratch arrays, whose passing costs more than the sums."""
+    c1 = _fold_abssum(xs, 0.0, lo) if mode == SIGN else _fold_split(xs, 0.0, lo)
+    return _means(mode, xs.size, lo[0], lo[1], c1)
+
+
 @_func
 def _stats(xs, mode, iters, block, lo, hi, blo, bhi):
     """``(t, v0, v1)`` of one bucket: SIGN ``(0, mean|x|, ·)``, ONEBIT ``(0, mean{x<0}, mean{x≥0})``
@@ -198,11 +283,8 @@ def _stats(xs, mode, iters, block, lo, hi, blo, bhi):
     # (kinds chosen at run time: one compiled _bucket_sums serves all three)
     kind = _ABSSUM if mode == SIGN else (_SPLIT if mode == ONEBIT else _SUM)
     s0, s1, c1 = _bucket_sums(xs, 0.0, kind, block, lo, hi, blo, bhi)
-    if mode == SIGN:
-        return 0.0, s0 / df, 0.0
-    if mode == ONEBIT:
-        c0 = d - c1
-        return 0.0, (s0 / F64(c0) if c0 > 0 else 0.0), (s1 / F64(c1) if c1 > 0 else 0.0)
+    if mode != BINGRAD_B:
+        return _means(mode, d, s0, s1, c1)
     t = s0 / df
     b0 = t
     b1 = t
@@ -253,7 +335,10 @@ def binary_encode(x, bucket, mode, iters, block, chunk, bits, t_out, lv_out, out
             p = b * bucket
             q = min(n, p + bucket)
             xs = x[p:q]
-            t, v0, v1 = _stats(xs, mode, iters, block, lo, hi, blo, bhi)
+            if q - p == _FOLD_M and block >= _FOLD_M and mode != BINGRAD_B:
+                t, v0, v1 = _fold_means(xs, mode, lo)
+            else:
+                t, v0, v1 = _stats(xs, mode, iters, block, lo, hi, blo, bhi)
             t_out[b] = t
             if mode == SIGN:
                 lv_out[b] = F32(v0)
