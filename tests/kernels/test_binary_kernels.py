@@ -209,8 +209,11 @@ SPECS = ["signsgd", "onebit:ef=0", "bingrad-b", "bingrad-b:iters=3", "bingrad-pb
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("bucket", BUCKETS + [70_000])
+@pytest.mark.parametrize("bucket", BUCKETS + [48, 70_000])
 def test_encode_gives_reference_bytes(spec, bucket, reference):
+    """Bytes and decodes against the reference. Buckets that are a multiple of 16 long (48, 512)
+    write their bits straight into the payload, 16 at a time, with a ragged last bucket (sizes
+    9, 513, 10,007) in bytes of 8 and a zero-padded last byte."""
     sizes = [0, 1, 9, 513, 10_007] if bucket != 70_000 else [140_003]   # 70000: buckets straddle chunks
     b = "none" if bucket is None else bucket
     q = gradq.build(f"{spec},bucket={b}" if ":" in spec else f"{spec}:bucket={b}")

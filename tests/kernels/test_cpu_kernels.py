@@ -357,6 +357,19 @@ def test_decodes_count_every_corrupt_field():
 
 
 # -- one bit ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bucket", [16, 48, 70_000])
+def test_threshold_bits_straight_into_the_payload(bucket):
+    """Buckets a multiple of 16 long have their bits written 16 at a time straight into the
+    payload; 70,000 also crosses the packing chunks (65,520 values), and 140,003 values leave a
+    ragged last bucket and a zero-padded last byte."""
+    n = 140_003
+    x = data(n, 17)
+    nb = (n + bucket - 1) // bucket
+    thr = torch.randn(nb, generator=torch.Generator().manual_seed(bucket), dtype=torch.float64) * 0.1
+    want = pack_bits((x.to(torch.float64) >= thr[torch.arange(n) // bucket]).to(torch.int64), 1)
+    assert torch.equal(K.threshold_encode(x, thr, bucket), want)
+
+
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("n", SIZES)
 def test_one_bit_paths(n, bucket):

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _bucket_max, _count_above,
                            _fill_uniform, _inline, _ir_counters, _ir_splat, _ir_target_features, _ir_uniform,
                            _ir_vectors, _kernel, _maxabs_bits, _pack, _pack_trits, _round_any, _round_sorted,
-                           _run_end, _run_keys, _uniform, _unpack, _unpack_trits)
+                           _run_end, _run_keys, _threshold_bits, _uniform, _unpack, _unpack_trits)
 
 from .reference import FLOAT32_MAX as _FLOAT32_MAX  # noqa: E402  (numba reads it as a constant)
 
@@ -515,23 +515,29 @@ def levels_decode(data, levels, L, bucket, width, chunk, out):
 # -- one bit -------------------------------------------------------------------------------------
 @_kernel
 def threshold_encode(x, thresholds, bucket, chunk, out):
-    """Bits ``float64(x) >= thresholds[b]`` packed 8 per byte."""
+    """Bits ``float64(x) >= thresholds[b]`` packed 8 per byte; straight into ``out``, 16 at a
+    time, when buckets and chunks start on whole pairs of bytes (both multiples of 16 long)."""
     n = x.size
+    direct = bucket % _LANES == 0 and chunk % _LANES == 0
     for c in prange((n + chunk - 1) // chunk):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
-        tmp = np.empty(e1 - e0, np.uint8)
+        tmp = np.empty(0 if direct else e1 - e0, np.uint8)
         p = e0
         while p < e1:
             b = p // bucket
             q = min((b + 1) * bucket, e1)
             t = thresholds[b]
             xr = x[p:q]
-            tr = tmp[p - e0:q - e0]
-            for i in range(q - p):
-                tr[i] = np.float64(xr[i]) >= t
+            if direct:
+                _threshold_bits(xr, t, out[p // 8:])
+            else:
+                tr = tmp[p - e0:q - e0]
+                for i in range(q - p):
+                    tr[i] = np.float64(xr[i]) >= t
             p = q
-        _pack(tmp, 1, out[e0 // 8:])
+        if not direct:
+            _pack(tmp, 1, out[e0 // 8:])
 
 
 @_kernel

@@ -50,7 +50,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_common import _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _run_end, _run_keys, _uniform
+from .numba_common import (_ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _run_end, _run_keys,
+                           _threshold_bits, _uniform)
 
 # fastmath stays off. Large per-bucket helpers are ordinary (called) functions, compiled once, which
 # keeps the first compile short; small ones are inlined. nogil: a communication thread may run
@@ -319,14 +320,16 @@ def binary_encode(x, bucket, mode, iters, block, chunk, bits, t_out, lv_out, out
     """Per-bucket thresholds ``t_out`` (float64; bit = ``float64(x) ≥ t``) and float32 levels
     ``lv_out`` (one per bucket for SIGN, ``(lower, upper)`` pairs otherwise); with ``bits``, also the
     bits packed 8 per byte into ``out``, fused per chunk of ``chunk`` elements (a multiple of
-    ``bucket``, and of 8 when ``bits``) while the chunk is in cache."""
+    ``bucket``, and of 8 when ``bits``) while the chunk is in cache: each bucket's bits straight
+    into ``out`` when buckets are a multiple of 16 long, else through a byte per bit."""
     n = x.size
     half = max(1, block // 2)
     nblk = (min(bucket, n) + block - 1) // block
+    direct = bucket % _LANES == 0   # every bucket starts on a whole pair of bytes: bits straight to out
     for c in prange((n + chunk - 1) // chunk):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
-        tmp = np.empty(e1 - e0 if bits else 0, np.uint8)
+        tmp = np.empty(e1 - e0 if bits and not direct else 0, np.uint8)
         lo = np.empty(half, F64)
         hi = np.empty(half, F64)
         blo = np.empty(nblk, F64)
@@ -345,11 +348,13 @@ def binary_encode(x, bucket, mode, iters, block, chunk, bits, t_out, lv_out, out
             else:
                 lv_out[2 * b] = F32(v0)
                 lv_out[2 * b + 1] = F32(v1)
-            if bits:
+            if bits and direct:
+                _threshold_bits(xs, t, out[p // 8:])
+            elif bits:
                 tr = tmp[p - e0:q - e0]
                 for i in range(q - p):
                     tr[i] = F64(xs[i]) >= t
-        if bits:
+        if bits and not direct:
             _pack_bits(tmp, out[e0 // 8:])
 
 

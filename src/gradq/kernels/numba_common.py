@@ -379,6 +379,43 @@ def _unpack_trits(data, tmp):
 
 
 # -- max-abs norms -------------------------------------------------------------------------------
+@intrinsic
+def _bits16_vec(typingctx, xs, nvec, t, out):
+    """Bits ``float64(x) ≥ t`` of the first ``16·nvec`` values of ``xs`` into ``2·nvec`` bytes of
+    ``out``, first value in the least significant bit (``pack_bits(·, 1)``): a compare and a
+    mask store per 16 values."""
+    sig = types.void(xs, nvec, types.float64, out)
+
+    def codegen(context, builder, signature, args):
+        xptr = context.make_array(signature.args[0])(context, builder, args[0]).data
+        optr = context.make_array(signature.args[3])(context, builder, args[3]).data
+        vf = ir.VectorType(ir.FloatType(), _LANES)
+        vd = ir.VectorType(ir.DoubleType(), _LANES)
+        i16 = ir.IntType(16)
+        tv = _ir_splat(builder, vd, args[2])
+        with cgutils.for_range(builder, args[1]) as loop:
+            off = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
+            v = builder.load(builder.bitcast(builder.gep(xptr, [off]), vf.as_pointer()), align=4)
+            mask = builder.bitcast(builder.fcmp_ordered(">=", builder.fpext(v, vd), tv), i16)
+            dst = builder.gep(optr, [builder.mul(loop.index, ir.Constant(loop.index.type, 2))])
+            builder.store(mask, builder.bitcast(dst, i16.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_inline
+def _threshold_bits(xs, t, out):
+    """Bits ``float64(x) ≥ t`` of ``xs`` packed into ``out`` (whole bytes, the last one zero padded)."""
+    full = xs.size // _LANES
+    _bits16_vec(xs, full, t, out)
+    for j in range(2 * full, (xs.size + 7) // 8):
+        acc = 0
+        for k in range(8 * j, min(xs.size, 8 * j + 8)):
+            acc |= np.int64(np.float64(xs[k]) >= t) << (k - 8 * j)
+        out[j] = acc
+
+
 @_inline
 def _maxabs_bits(xs):
     """Largest ``|x|`` over ``xs`` (int32 view of float32 data) as its bit pattern: for non-NaN
