@@ -419,10 +419,12 @@ def _threshold_bits(xs, t, out):
 @_inline
 def _maxabs_bits(xs):
     """Largest ``|x|`` over ``xs`` (int32 view of float32 data) as its bit pattern: for non-NaN
-    floats the integer order of the magnitude bits is the order of ``|x|``."""
-    m = 0
+    floats the integer order of the magnitude bits is the order of ``|x|``. In int32 throughout:
+    with an int64 accumulator each value was widened first, a quarter slower."""
+    m = np.int32(0)
+    mask = np.int32(_ABS)
     for i in range(xs.size):
-        v = xs[i] & _ABS
+        v = xs[i] & mask
         m = v if v > m else m
     return m
 
