@@ -267,14 +267,6 @@ def _means(mode, d, s0, s1, c1):
 
 
 @_func
-def _fold_means(xs, mode, lo):
-    """:func:`_stats` of SIGN and ONEBIT for a bucket of ``_FOLD_M`` values (``lo``: 2 entries of
-    scratch), without the general path's scratch arrays, whose passing costs more than the sums."""
-    c1 = _fold_abssum(xs, 0.0, lo) if mode == SIGN else _fold_split(xs, 0.0, lo)
-    return _means(mode, xs.size, lo[0], lo[1], c1)
-
-
-@_func
 def _stats(xs, mode, iters, block, lo, hi, blo, bhi):
     """``(t, v0, v1)`` of one bucket: SIGN ``(0, mean|x|, ·)``, ONEBIT ``(0, mean{x<0}, mean{x≥0})``
     (0 for an empty side), BINGRAD_B ``(t, b0, b1)`` after ``iters`` Lloyd steps (``t`` for an empty
@@ -334,14 +326,48 @@ def binary_encode(x, bucket, mode, iters, block, chunk, bits, t_out, lv_out, out
         hi = np.empty(half, F64)
         blo = np.empty(nblk, F64)
         bhi = np.empty(nblk, F64)
-        for b in range(e0 // bucket, (e1 + bucket - 1) // bucket):
+        first = e0 // bucket
+        if bucket == _FOLD_M and block >= _FOLD_M and (mode != BINGRAD_B or iters == 0):
+            # whole buckets of the default length: folded in registers, a loop for each mode (one
+            # loop choosing between the two folds, or calling a function a bucket, ran 1.5-2x slower)
+            whole = first + (e1 - e0) // _FOLD_M
+            sums = np.empty(2, F64)
+            if mode == SIGN:
+                for b in range(first, whole):
+                    xs = x[b * _FOLD_M:(b + 1) * _FOLD_M]
+                    _fold_abssum(xs, 0.0, sums)
+                    t_out[b] = 0.0
+                    lv_out[b] = F32(_means(SIGN, _FOLD_M, sums[0], 0.0, 0)[1])
+                    if bits:
+                        _threshold_bits(xs, 0.0, out[b * (_FOLD_M // 8):])
+            elif mode == ONEBIT:
+                for b in range(first, whole):
+                    xs = x[b * _FOLD_M:(b + 1) * _FOLD_M]
+                    c1 = _fold_split(xs, 0.0, sums)
+                    _, v0, v1 = _means(ONEBIT, _FOLD_M, sums[0], sums[1], c1)
+                    t_out[b] = 0.0
+                    lv_out[2 * b] = F32(v0)
+                    lv_out[2 * b + 1] = F32(v1)
+                    if bits:
+                        _threshold_bits(xs, 0.0, out[b * (_FOLD_M // 8):])
+            else:   # BinGrad-b without Lloyd steps: threshold at the mean, then the side means (_stats)
+                for b in range(first, whole):
+                    xs = x[b * _FOLD_M:(b + 1) * _FOLD_M]
+                    _fold_sum(xs, 0.0, sums)
+                    t = sums[0] / F64(_FOLD_M)
+                    c1 = _fold_split(xs, t, sums)
+                    c0 = _FOLD_M - c1
+                    t_out[b] = t
+                    lv_out[2 * b] = F32(sums[0] / F64(c0) if c0 > 0 else t)
+                    lv_out[2 * b + 1] = F32(sums[1] / F64(c1) if c1 > 0 else t)
+                    if bits:
+                        _threshold_bits(xs, t, out[b * (_FOLD_M // 8):])
+            first = whole
+        for b in range(first, (e1 + bucket - 1) // bucket):
             p = b * bucket
             q = min(n, p + bucket)
             xs = x[p:q]
-            if q - p == _FOLD_M and block >= _FOLD_M and mode != BINGRAD_B:
-                t, v0, v1 = _fold_means(xs, mode, lo)
-            else:
-                t, v0, v1 = _stats(xs, mode, iters, block, lo, hi, blo, bhi)
+            t, v0, v1 = _stats(xs, mode, iters, block, lo, hi, blo, bhi)
             t_out[b] = t
             if mode == SIGN:
                 lv_out[b] = F32(v0)
