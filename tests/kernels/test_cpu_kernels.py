@@ -360,14 +360,23 @@ def test_decodes_count_every_corrupt_field():
 @pytest.mark.parametrize("bucket", [16, 48, 70_000])
 def test_threshold_bits_straight_into_the_payload(bucket):
     """Buckets a multiple of 16 long have their bits written 16 at a time straight into the
-    payload; 70,000 also crosses the packing chunks (65,520 values), and 140,003 values leave a
+    payload, and decoded 16 at a time straight from it; 70,000 also crosses the packing chunks (65,520 values), and 140,003 values leave a
     ragged last bucket and a zero-padded last byte."""
     n = 140_003
     x = data(n, 17)
     nb = (n + bucket - 1) // bucket
     thr = torch.randn(nb, generator=torch.Generator().manual_seed(bucket), dtype=torch.float64) * 0.1
-    want = pack_bits((x.to(torch.float64) >= thr[torch.arange(n) // bucket]).to(torch.int64), 1)
+    bits = (x.to(torch.float64) >= thr[torch.arange(n) // bucket]).to(torch.int64)
+    want = pack_bits(bits, 1)
     assert torch.equal(K.threshold_encode(x, thr, bucket), want)
+    # and the decodes, 16 bits selecting 16 values straight from the payload
+    g = torch.Generator().manual_seed(bucket + 1)
+    two, scale = torch.randn(nb, 2, generator=g), torch.rand(nb, generator=g)
+    scale[1] = 0.0   # 0·(−1) = −0.0, as the reference gives
+    bidx = torch.arange(n) // bucket
+    assert torch.equal(K.bit_decode(want, two, bucket, n), two.reshape(-1)[bidx * 2 + bits])
+    got, ref = K.bit_decode(want, scale, bucket, n), scale[bidx] * (2 * bits - 1).to(torch.float32)
+    assert torch.equal(got, ref) and torch.equal(got.signbit(), ref.signbit())
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)

@@ -540,29 +540,63 @@ def threshold_encode(x, thresholds, bucket, chunk, out):
             _pack(tmp, 1, out[e0 // 8:])
 
 
+@intrinsic
+def _select16_vec(typingctx, bits, nvec, lo, hi, os):
+    """``os[i] = hi`` where bit ``i`` of ``bits`` is set, else ``lo``, for the first ``16·nvec``
+    values: two bytes of the payload select 16 lanes."""
+    sig = types.void(bits, nvec, types.float32, types.float32, os)
+
+    def codegen(context, builder, signature, args):
+        bptr = context.make_array(signature.args[0])(context, builder, args[0]).data
+        optr = context.make_array(signature.args[4])(context, builder, args[4]).data
+        _, _, vf, _, _ = _ir_vectors()
+        i16 = ir.IntType(16)
+        vlo, vhi = _ir_splat(builder, vf, args[2]), _ir_splat(builder, vf, args[3])
+        with cgutils.for_range(builder, args[1]) as loop:
+            word = builder.load(builder.bitcast(builder.gep(bptr, [builder.mul(loop.index, ir.Constant(
+                loop.index.type, 2))]), i16.as_pointer()), align=1)
+            mask = builder.bitcast(word, ir.VectorType(ir.IntType(1), _LANES))
+            off = builder.mul(loop.index, ir.Constant(loop.index.type, _LANES))
+            builder.store(builder.select(mask, vhi, vlo), builder.bitcast(builder.gep(optr, [off]),
+                                                                            vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @_kernel
 def bit_decode(data, levels, per_bucket, bucket, chunk, out):
     """``per_bucket == 2``: ``out[i] = levels[2b + bit]``; ``per_bucket == 1``:
-    ``out[i] = levels[b]·float32(2·bit − 1)``."""
+    ``out[i] = levels[b]·float32(2·bit − 1)`` (both products taken once a bucket). Where buckets
+    and chunks are multiples of 16 long, 16 bits at a time select between the bucket's two values
+    straight from the payload, with no byte per bit."""
     n = out.size
+    direct = bucket % _LANES == 0 and chunk % _LANES == 0
     for c in prange((n + chunk - 1) // chunk):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
-        tmp = np.empty(e1 - e0, np.uint8)
-        _unpack(data[e0 // 8:], 1, tmp)
+        tmp = np.empty(0 if direct else e1 - e0, np.uint8)
+        if not direct:
+            _unpack(data[e0 // 8:], 1, tmp)
         p = e0
         while p < e1:
             b = p // bucket
             q = min((b + 1) * bucket, e1)
-            ts = tmp[p - e0:q - e0]
-            os = out[p:q]
             if per_bucket == 2:
                 lo = levels[2 * b]
                 hi = levels[2 * b + 1]
-                for i in range(q - p):
-                    os[i] = hi if ts[i] else lo
             else:
                 sc = levels[b]
+                lo = sc * F32(-1)
+                hi = sc * F32(1)
+            os = out[p:q]
+            if direct:
+                full = (q - p) // _LANES
+                _select16_vec(data[p // 8:], full, lo, hi, os)
+                for i in range(full * _LANES, q - p):
+                    os[i] = hi if (data[(p + i) >> 3] >> ((p + i) & 7)) & 1 else lo
+            else:
+                ts = tmp[p - e0:q - e0]
                 for i in range(q - p):
-                    os[i] = sc * F32(2 * np.int32(ts[i]) - 1)
+                    os[i] = hi if ts[i] else lo
             p = q
