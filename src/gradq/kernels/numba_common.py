@@ -1,7 +1,7 @@
 """Numba helpers shared by every CPU kernel module: the counter hash as 16-lane LLVM IR, bit-field
 and trit packing, max-abs bit patterns and rounding onto levels.
 
-The kernel modules (:mod:`gradq.kernels.cpu`, ``cpu_levels``, ``cpu_binary``, ``cpu_multiscale``)
+The kernel modules (:mod:`gradq.kernels.cpu`, ``cpu_index``, ``cpu_levels``, ``cpu_binary``, ``cpu_multiscale``)
 import them from here and numba inlines them. Compiled code is cached in a directory keyed by the
 sources of all those modules and this one (:mod:`gradq.kernels.numba_cache`), so an edit here
 recompiles every kernel that inlines it.
