@@ -224,3 +224,57 @@ def test_argument_errors():
             KL.orq_levels(y, 5, 10)
         with pytest.raises(ValueError):
             KL.linear_encode(y, 5, 10, 3, 0)
+
+
+# -- what the sort's copy sees: 16 values at a time, then the bucket's tail --------------------------
+def test_a_non_finite_value_anywhere_in_a_bucket_is_refused():
+    """The copy before each bucket's sort tests 16 values at a time and the last ``d mod 16`` one by
+    one; a NaN or infinity in either part, in any bucket, raises (a missed one would be sorted)."""
+    d = 40                                          # two 16-value vectors and a tail of 8
+    x = data(3 * d, 5, 2)
+    for p in range(3 * d):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[p] = bad
+            for fn in (KL.linear_levels, KL.orq_levels):
+                with pytest.raises(ValueError):
+                    fn(y, 5, d)
+
+
+def test_both_zeros_anywhere_in_a_bucket_give_the_reference_levels():
+    """One −0.0 and one +0.0 at every pair of places (vector part or tail): the row must take the
+    sort that orders the two zeros. Linear with 129 levels reads every position of a 40-value row."""
+    d = 40
+    x = data(d, 6, 2)
+    for p in range(d):
+        for q in (p + 1, p + 17, p + 29):
+            y = x.clone()
+            y[p] = -0.0
+            y[q % d] = 0.0
+            if q % d == p:
+                continue
+            assert torch.equal(bits(KL.linear_levels(y, 129, d)), bits(ref_levels("linear", y, d, 129))), (p, q)
+
+
+# -- the bucket sort itself: every padded size of the bitonic network ------------------------------
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 31, 32, 100, 255, 256, 257, 511, 512, 513, 1000, 1024, 1025,
+                               2047, 2048])
+def test_bucket_sort_gives_the_reference_order(m):
+    """``cpu_sort._sort_row`` against ``reference.sort_rows`` on rows of every padded size of the
+    network (16 … 2048 values: one vector up to 128), with one sign of zero (the network's rows),
+    heavy ties, denormals and a constant row. Rows with both zeros take the radix sort, which the
+    level tests cover."""
+    from gradq.kernels.cpu_sort import _pad_size, _sort_row
+    g = torch.Generator().manual_seed(m)
+    rows = [torch.randn(m, generator=g),
+            torch.randn(m, generator=g) * torch.exp(3 * torch.randn(m, generator=g)),
+            torch.tensor([-2.0, -0.0, 1e-45, 3.0, 3.0, -2e-40])[torch.randint(0, 6, (m,), generator=g)],
+            torch.tensor([0.0, 5e-41, -1.0, 7.0])[torch.randint(0, 4, (m,), generator=g)],
+            torch.full((m,), 0.375)]
+    npad = _pad_size(m)
+    for r, row in enumerate(rows):
+        x = row.numpy()
+        srt = torch.empty(npad, dtype=torch.float32)
+        flags = _sort_row(x, x.view("int32"), torch.empty(npad).numpy(), srt.numpy())
+        assert flags & 4 == 0 and (flags & 3) != 3, (r, flags)
+        assert torch.equal(bits(srt[:m]), bits(ref_kernels.sort_rows(row.view(1, -1))[0])), r
