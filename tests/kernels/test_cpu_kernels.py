@@ -224,7 +224,7 @@ def _loop_mean(decodes):
 
 @pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "separate"])
 @pytest.mark.parametrize("s,width", [(1, 2), (3, 3), (7, 4), (127, 8), ("trit", 0)])
-@pytest.mark.parametrize("bucket", [None, 7, 512])
+@pytest.mark.parametrize("bucket", [None, 7, 48, 512])   # 48, 512: 2/4/8-bit fields read 16 a step
 @pytest.mark.parametrize("n", [1, 513, 70_001])
 def test_uniform_decode_mean_is_the_loop(n, bucket, s, width, shared):
     trit = s == "trit"
@@ -336,16 +336,16 @@ def test_decodes_count_every_corrupt_field():
     """The decodes find corrupt fields by their maximum and count them only then: the count in the
     error is exact, and one bad field among valid ones, anywhere (first, middle, in a tail), is
     seen."""
-    n, bucket = 1000, 64
+    n, bucket = 1000, 64          # the last bucket, 40 values: two 16-field steps and a tail of 8
     x = data(n, 5)
     sc = K.maxabs_scales(x, bucket)
-    packed = K.uniform_encode(x, sc, 1, bucket, 2, 0)   # s = 1: fields 0..2, 3 is corrupt
-    for where in ([0], [517], [n - 1], [3, 64, 65, 999]):
-        bad = packed.clone()
-        for i in where:
-            bad[i // 4] |= 3 << (2 * (i % 4))
-        with pytest.raises(PayloadError, match=f"corrupt codes: {len(where)} fields above 2"):
-            K.uniform_decode(bad, sc, 1, bucket, 2, n, max_field=2)
+    for s, width in ((1, 2), (7, 4), (127, 8)):   # fields 0..2s; the all-ones field is corrupt
+        packed = K.uniform_encode(x, sc, s, bucket, width, 0)
+        for where in ([0], [517], [n - 1], [3, 64, 65, 999]):
+            fields = unpack_bits(packed, width, n)
+            fields[where] = (1 << width) - 1
+            with pytest.raises(PayloadError, match=f"corrupt codes: {len(where)} fields above {2 * s}"):
+                K.uniform_decode(pack_bits(fields, width), sc, s, bucket, width, n, max_field=2 * s)
     levels = orq_levels(x.view(-1, 8), 5)   # 125 buckets of 8
     packed = K.levels_encode(x, levels, 8, 3, 0)
     for where in ([0], [517], [n - 1]):

@@ -292,6 +292,77 @@ def uniform_encode(x, xi, scales, compute, s, bucket, width, clip, k1, k2, ctr0,
             _pack(tmp, width, out[(e0 * width) // 8:])
 
 
+def _dequant_intrinsic(width, add):
+    """Fields of ``width`` ∈ {2, 4, 8} bits read straight from the payload, 16 a step (``16·width/8``
+    bytes), as :func:`uniform_decode_mean`'s loop computes them: ``float32(field − s)·mult``, stored
+    (``add``: added to what ``out`` holds, a separate IEEE add). Returns the largest field."""
+    @intrinsic
+    def _impl(typingctx, row, nvec, s, mult, out):
+        sig = types.uint8(row, nvec, types.int32, types.float32, out)
+
+        def codegen(context, builder, signature, args):
+            i32, vi, vf, const, _ = _ir_vectors()
+            i8 = ir.IntType(8)
+            vb = ir.VectorType(i8, _LANES)
+            per = _LANES * width // 8                      # payload bytes a step
+            vin = ir.VectorType(i8, per)
+            rptr = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data,
+                                   vin.as_pointer())
+            optr = builder.bitcast(context.make_array(signature.args[4])(context, builder, args[4]).data,
+                                   vf.as_pointer())
+            count = context.cast(builder, args[1], signature.args[1], types.intp)
+            sv, mv = _ir_splat(builder, vi, args[2]), _ir_splat(builder, vf, args[3])
+            k = 8 // width                                 # fields a byte, the lowest bits first
+            spread = ir.Constant(vi, [lane // k for lane in range(_LANES)])
+            shifts = ir.Constant(vb, [(lane % k) * width for lane in range(_LANES)])
+            mask = ir.Constant(vb, [(1 << width) - 1 if width < 8 else 255] * _LANES)
+            top = cgutils.alloca_once_value(builder, ir.Constant(vb, [0] * _LANES))
+            with cgutils.for_range(builder, count) as loop:
+                raw = builder.load(builder.gep(rptr, [loop.index]), align=1)
+                if width == 8:
+                    f = raw
+                else:
+                    wide = builder.shuffle_vector(raw, ir.Constant(vin, ir.Undefined), spread)
+                    f = builder.and_(builder.lshr(wide, shifts), mask)
+                m = builder.load(top)
+                builder.store(builder.select(builder.icmp_unsigned(">", f, m), f, m), top)
+                v = builder.fmul(builder.sitofp(builder.sub(builder.zext(f, vi), sv), vf), mv)
+                q = builder.gep(optr, [loop.index])
+                if add:
+                    v = builder.fadd(builder.load(q, align=4), v)
+                builder.store(v, q, align=4)
+            m = builder.load(top)
+            res = builder.extract_element(m, ir.Constant(i32, 0))
+            for j in range(1, _LANES):
+                e = builder.extract_element(m, ir.Constant(i32, j))
+                res = builder.select(builder.icmp_unsigned(">", e, res), e, res)
+            return res
+
+        return sig, codegen
+
+    return _impl
+
+
+_deq2, _deq4, _deq8, _deq2_add, _deq4_add, _deq8_add = (_dequant_intrinsic(w, a) for a in (False, True)
+                                                        for w in (2, 4, 8))
+
+
+@_inline
+def _dequant_vec(row, nvec, width, s, mult, out, add):
+    """:func:`_dequant_intrinsic` for this ``width`` and ``add``."""
+    if add:
+        if width == 4:
+            return _deq4_add(row, nvec, s, mult, out)
+        if width == 2:
+            return _deq2_add(row, nvec, s, mult, out)
+        return _deq8_add(row, nvec, s, mult, out)
+    if width == 4:
+        return _deq4(row, nvec, s, mult, out)
+    if width == 2:
+        return _deq2(row, nvec, s, mult, out)
+    return _deq8(row, nvec, s, mult, out)
+
+
 @_kernel
 def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field, chunk, out):
     """Unpack + dequantize, and average over ``M`` payloads: payload ``j``'s fields are
@@ -299,13 +370,19 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
     ``d_j = float32(field − s)·(scale_b / s)``, and ``out = (((d_0 + d_1) + d_2) + …) / M`` in float32,
     added in payload order (bit for bit what decoding each and adding left to right gives) in one
     pass that keeps each chunk of ``out`` in cache; ``M = 1`` is the plain decode. Returns the number
-    of fields above ``max_field`` (trits, ``width == 0``: of bytes above 242)."""
+    of fields above ``max_field`` (trits, ``width == 0``: of bytes above 242).
+
+    Fields of 2, 4 or 8 bits in buckets a multiple of 16 long are read straight from the payload
+    into 16-lane vectors (:func:`_dequant_intrinsic`), with no byte per field in between; a bucket's
+    last ``< 16`` fields, and other widths, are unpacked first."""
     n = out.size
     m = offs.size
     nch = (n + chunk - 1) // chunk
     bad = np.zeros(nch, np.int64)
     sf = F32(s)
     mf = F32(m)
+    # every bucket (and chunk) starts on a 16-field step: 2-, 4- and 8-bit fields go straight into lanes
+    direct = (width == 2 or width == 4 or width == 8) and bucket % _LANES == 0 and chunk % _LANES == 0
     for c in prange(nch):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
@@ -313,6 +390,29 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
         nbad = 0
         for j in range(m):
             row = data[offs[j]:offs[j] + nbytes]
+            if direct:   # fields read straight from the payload; a bucket's tail through tmp
+                p = e0
+                while p < e1:
+                    b = p // bucket
+                    q = min((b + 1) * bucket, e1)
+                    mult = scales[j, b] / sf
+                    full = (q - p) // _LANES
+                    mx = _dequant_vec(row[(p * width) // 8:], full, width, s, mult, out[p:q], j > 0)
+                    r = p + full * _LANES
+                    if mx > max_field:
+                        _unpack(row[(p * width) // 8:], width, tmp[:r - p])
+                        nbad += _count_above(tmp[:r - p], max_field)
+                    if r < q:
+                        ts = tmp[:q - r]
+                        _unpack(row[(r * width) // 8:], width, ts)
+                        os = out[r:q]
+                        for i in range(q - r):
+                            f = ts[i]
+                            d = F32(np.int32(f) - s) * mult
+                            os[i] = d if j == 0 else os[i] + d
+                        nbad += _count_above(ts, max_field)
+                    p = q
+                continue
             if width == 0:
                 nbad += _unpack_trits(row[e0 // 5:], tmp)
             else:
