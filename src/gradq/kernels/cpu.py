@@ -32,8 +32,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _bucket_max, _count_above, _inline,
-                           _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _kernel, _maxabs_bits, _pack,
-                           _pack_trits, _run_end, _run_keys, _uniform, _unpack, _unpack_trits)
+                           _ir_counters, _ir_max_lane, _ir_splat, _ir_uniform, _ir_vectors, _kernel, _maxabs_bits,
+                           _pack, _pack_trits, _run_end, _run_keys, _uniform, _unpack, _unpack_trits)
 
 from .reference import FLOAT32_MAX as _FLOAT32_MAX  # noqa: E402  (numba reads it as a constant)
 
@@ -331,12 +331,7 @@ def _dequant_intrinsic(width, add):
                 if add:
                     v = builder.fadd(builder.load(q, align=4), v)
                 builder.store(v, q, align=4)
-            m = builder.load(top)
-            res = builder.extract_element(m, ir.Constant(i32, 0))
-            for j in range(1, _LANES):
-                e = builder.extract_element(m, ir.Constant(i32, j))
-                res = builder.select(builder.icmp_unsigned(">", e, res), e, res)
-            return res
+            return _ir_max_lane(builder, builder.load(top))
 
         return sig, codegen
 

@@ -15,9 +15,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_common import (_LANES, F32, _count_above, _fill_uniform, _ir_splat, _ir_target_features, _ir_vectors,
-                           _kernel, _pack, _round_any, _round_sorted, _run_end, _run_keys, _threshold_bits,
-                           _unpack)
+from .numba_common import (_LANES, F32, _count_above, _fill_uniform, _ir_max_lane, _ir_splat, _ir_target_features,
+                           _ir_vectors, _kernel, _pack, _round_any, _round_sorted, _run_end, _run_keys,
+                           _threshold_bits, _unpack)
 
 
 # -- rounding onto given levels (ORQ / Linear) ---------------------------------------------------
@@ -120,12 +120,7 @@ def _lookup_intrinsic(T):
                 builder.store(builder.select(builder.icmp_unsigned(">", f, m), f, m), top)
                 builder.store(look(builder.zext(f, vi)),
                               builder.bitcast(builder.gep(optr, [off]), vf.as_pointer()), align=4)
-            m = builder.load(top)
-            res = builder.extract_element(m, ir.Constant(i32, 0))
-            for j in range(1, _LANES):
-                e = builder.extract_element(m, ir.Constant(i32, j))
-                res = builder.select(builder.icmp_unsigned(">", e, res), e, res)
-            return res
+            return _ir_max_lane(builder, builder.load(top))
 
         return sig, codegen
 

@@ -99,6 +99,16 @@ def _ir_transpose(builder, regs):
     return regs
 
 
+def _ir_max_lane(builder, m):
+    """The largest lane of the unsigned integer vector ``m`` (after a loop that kept a running
+    lane-wise maximum of some fields: the corrupt-field checks of the decodes)."""
+    res = builder.extract_element(m, ir.Constant(ir.IntType(32), 0))
+    for j in range(1, m.type.count):
+        e = builder.extract_element(m, ir.Constant(ir.IntType(32), j))
+        res = builder.select(builder.icmp_unsigned(">", e, res), e, res)
+    return res
+
+
 def _ir_counters(builder, vi, base):
     """Counter hashes of lanes 0..15: ``base + lane·φ`` (the state advances by ``16·φ`` a step)."""
     lanes = ir.Constant(vi, [(j * 0x9E3779B9) & 0xFFFFFFFF for j in range(_LANES)])
