@@ -315,7 +315,7 @@ def _dequant_intrinsic(width, add):
             k = 8 // width                                 # fields a byte, the lowest bits first
             spread = ir.Constant(vi, [lane // k for lane in range(_LANES)])
             shifts = ir.Constant(vb, [(lane % k) * width for lane in range(_LANES)])
-            mask = ir.Constant(vb, [(1 << width) - 1 if width < 8 else 255] * _LANES)
+            mask = ir.Constant(vb, [(1 << width) - 1] * _LANES)
             top = cgutils.alloca_once_value(builder, ir.Constant(vb, [0] * _LANES))
             with cgutils.for_range(builder, count) as loop:
                 raw = builder.load(builder.gep(rptr, [loop.index]), align=1)
@@ -358,6 +358,25 @@ def _dequant_vec(row, nvec, width, s, mult, out, add):
     return _deq8(row, nvec, s, mult, out)
 
 
+@_inline
+def _dequant_bytes(ts, os, s, mult, first, max_field):
+    """``os = float32(field − s)·mult`` (``first``) or ``os += …`` for the byte-a-field ``ts``;
+    returns how many fields exceed ``max_field``. The largest field rides along (a max reduction
+    vectorizes; a count in the loop did not); fields are counted only where there are some."""
+    mx = np.uint8(0)
+    if first:
+        for i in range(ts.size):
+            f = ts[i]
+            mx = max(mx, f)
+            os[i] = F32(np.int32(f) - s) * mult
+    else:
+        for i in range(ts.size):
+            f = ts[i]
+            mx = max(mx, f)
+            os[i] = os[i] + F32(np.int32(f) - s) * mult
+    return _count_above(ts, max_field) if mx > max_field else 0
+
+
 @_kernel
 def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field, chunk, out):
     """Unpack + dequantize, and average over ``M`` payloads: payload ``j``'s fields are
@@ -398,14 +417,8 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
                         _unpack(row[(p * width) // 8:], width, tmp[:r - p])
                         nbad += _count_above(tmp[:r - p], max_field)
                     if r < q:
-                        ts = tmp[:q - r]
-                        _unpack(row[(r * width) // 8:], width, ts)
-                        os = out[r:q]
-                        for i in range(q - r):
-                            f = ts[i]
-                            d = F32(np.int32(f) - s) * mult
-                            os[i] = d if j == 0 else os[i] + d
-                        nbad += _count_above(ts, max_field)
+                        _unpack(row[(r * width) // 8:], width, tmp[:q - r])
+                        nbad += _dequant_bytes(tmp[:q - r], out[r:q], s, mult, j == 0, max_field)
                     p = q
                 continue
             if width == 0:
@@ -417,23 +430,7 @@ def uniform_decode_mean(data, offs, nbytes, scales, s, bucket, width, max_field,
                 b = p // bucket
                 q = min((b + 1) * bucket, e1)
                 mult = scales[j, b] / sf
-                ts = tmp[p - e0:q - e0]
-                os = out[p:q]
-                # the largest field rides along (a max reduction vectorizes; a count in the loop
-                # did not); the fields above max_field are counted only where there are some
-                mx = np.uint8(0)
-                if j == 0:
-                    for i in range(q - p):
-                        f = ts[i]
-                        mx = max(mx, f)
-                        os[i] = F32(np.int32(f) - s) * mult
-                else:
-                    for i in range(q - p):
-                        f = ts[i]
-                        mx = max(mx, f)
-                        os[i] = os[i] + F32(np.int32(f) - s) * mult
-                if mx > max_field:
-                    nbad += _count_above(ts, max_field)
+                nbad += _dequant_bytes(tmp[p - e0:q - e0], out[p:q], s, mult, j == 0, max_field)
                 p = q
         if m > 1:
             os = out[e0:e1]
