@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent('''
          ROWS=C), dict(L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows), False)
         for L, p, rows in [(5, 512, 8), (3, 16, 1)]
     ] + [
-        ("_orq_levels_kernel", dict(x_ptr=PF, lv_ptr=PF, n=I, bucket=I, L=C, LP=C, ITER=C, P=C, LOG=C),
+        ("_orq_levels_kernel", dict(x_ptr=PF, lv_ptr=PF, n=I, bucket=I, LG_FULL=I, LG_TAIL=I, L=C, LP=C, ITER=C, P=C, LOG=C),
          dict(L=L, LP=1 << (L - 1).bit_length(), ITER=(L - 1).bit_length() - 1, P=p, LOG=p.bit_length() - 1), False)
         for L, p in [(5, 512), (3, 16)]
     ] + [

@@ -102,6 +102,29 @@ def test_orq_levels_with_ties_and_integer_data():
             assert V(vals, a, b, c) == min(V(vals, a, b, x) for x in interior)
 
 
+def exact_first_split(row: list[float]) -> float:
+    """ORQ's first level inside [min, max] by the exact slope: the first sorted value strictly
+    inside whose h = k·(max − min) − Σ(max − g) is >= 0 (k: its position + 1)."""
+    vals = sorted(Fraction(x) for x in row)
+    a, b = vals[0], vals[-1]
+    need = sum((b - g for g in vals), Fraction(0))
+    for k, g in enumerate(vals, 1):
+        if a < g < b and k * (b - a) >= need:
+            return float(g)
+    return float(mid32(a, b))
+
+
+@pytest.mark.parametrize("scale,d", [(1e38, 4096), (3e-39, 4096), (1.0, 1 << 16)])
+def test_orq_split_is_exact_at_extreme_magnitudes_and_lengths(scale, d):
+    """The fixed-point sums neither overflow nor lose the answer: near the largest float32, among
+    denormals and in a 2^16-value bucket, the first split is the one the exact slope gives."""
+    g = torch.Generator().manual_seed(d)
+    rows = (torch.randn(2, d, generator=g) * scale).clamp(-3.4e38, 3.4e38)
+    lv = orq_levels(rows, 3)
+    for r, row in enumerate(rows.tolist()):
+        assert lv[r, 1].item() == exact_first_split(row)
+
+
 def test_linear_levels_are_quantiles():
     x = laplace((2, 11), 9)
     lv = linear_levels(x, 5)

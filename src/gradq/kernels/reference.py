@@ -212,48 +212,67 @@ def sort_rows(mat: torch.Tensor) -> torch.Tensor:
     return (keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(torch.float32)
 
 
+def orq_shift(mat: torch.Tensor) -> torch.Tensor:
+    """ORQ's fixed-point shift per row of ``mat`` (``(nb, d)`` float32): ``sh = 61 − E − ⌈log2 d⌉``,
+    where ``2^E`` bounds the row's largest magnitude (``E = max(e, 1) − 126`` from the float32 exponent
+    field ``e`` of ``max|g|``). Every ``⌊g·2^sh⌋`` then has magnitude ``< 2^61/2^⌈log2 d⌉``, so the
+    integer sums of :func:`orq_levels` cannot overflow int64. int64, one per row."""
+    d = mat.shape[1]
+    top = mat.to(torch.float32).abs().amax(dim=1).contiguous().view(torch.int32)
+    e = ((top >> 23) & 0xFF).to(torch.int64).clamp_(min=1) - 126
+    return 61 - e - (d - 1).bit_length()
+
+
+def orq_fixed(v: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
+    """``⌊v·2^sh⌋`` as int64 (``v`` float32, ``sh`` broadcastable int64): exact, because a float32
+    times a power of two is exact in float64 (the power is built from its bits, never rounded)."""
+    p2 = ((sh + 1023) << 52).view(torch.float64)
+    return torch.floor(v.to(torch.float64) * p2).to(torch.int64)
+
+
 def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
     """ORQ's ``L`` levels for each row of ``mat`` (a ``(nb, d)`` float matrix): an ``(nb, L)`` float32
     matrix with sorted rows, first column the row minimum and last the maximum (the algorithm is in
-    :mod:`gradq.quantizers.orq`'s docstring)."""
+    :mod:`gradq.quantizers.orq`'s docstring).
+
+    The split of an interval ``[a, b]`` holding the segment's ``n`` values is the first sorted value
+    strictly inside ``(a, b)`` where the slope ``h = Σ_{left}(g − a) − Σ_{right}(b − g)`` (left: the
+    segment's first ``k`` values) is ``≥ 0``. Since every value is in exactly one of the two sums,
+    ``h = k·(b − a) − Σ_{segment}(b − g)``: the split is the value of rank ``k = ⌈R/(b − a)⌉`` with
+    ``R = Σ(b − g)``, moved up past the values equal to ``a``. ``R`` and ``b − a`` are computed
+    exactly, in integers: every value as ``⌊g·2^sh⌋`` (:func:`orq_shift`, :func:`orq_fixed`). Integer
+    sums do not depend on their order, so every backend (a parallel GPU reduction too) finds the same
+    rank, and the level is then a value of the bucket, bit for bit."""
     _check_level_matrix(mat, L)
     nb, d = mat.shape
     srt = sort_rows(mat)
-    g64 = srt.to(torch.float64)
+    sh = orq_shift(srt).unsqueeze(1)
+    fix = orq_fixed(srt, sh)
     lv = torch.stack([srt[:, 0], srt[:, -1]], dim=1)
-    pos = torch.arange(d, device=mat.device).expand(nb, d)
     for _ in range(int(round(math.log2(L - 1)))):
         m = lv.shape[1]
         # interval of every sorted value: [lv[j], lv[j+1]); the maximum goes to the last interval
         ids = (torch.searchsorted(lv, srt, right=True) - 1).clamp_(0, m - 2)
-        a = lv.gather(1, ids)
-        b = lv.gather(1, ids + 1)
-        left_terms = g64 - a.to(torch.float64)    # (g - a) >= 0
-        right_terms = b.to(torch.float64) - g64   # (b - g) >= 0
-        cum_l = left_terms.cumsum(dim=1)
-        cum_r = right_terms.cumsum(dim=1)
-        # first and last position of every value's segment (ids are non-decreasing along a row)
-        change = ids[:, 1:] != ids[:, :-1]
-        first = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), change], dim=1)
-        last = torch.cat([change, torch.ones_like(ids[:, :1], dtype=torch.bool)], dim=1)
-        start = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values
-        end = torch.where(last, pos, torch.full_like(pos, d - 1)).flip(1).cummin(dim=1).values.flip(1)
-        # slope on (g_p, g_{p+1}) with left set = segment positions <= p
-        left = cum_l - (cum_l - left_terms).gather(1, start)
-        right = cum_r.gather(1, end) - cum_r
-        slope = left - right
-        ok = (srt > a) & (srt < b) & (slope >= 0)
-        # the split is the first such position (by position, not by value: −0.0 and +0.0 tie as
-        # values, and a minimum over values would take either, differently on each device)
-        first_ok = torch.full((nb, m - 1), d, dtype=torch.int64, device=mat.device)
-        first_ok = first_ok.scatter_reduce(1, ids, torch.where(ok, pos, d), reduce="amin", include_self=True)
-        c = srt.gather(1, first_ok.clamp(max=d - 1))
+        lo, hi = lv[:, :-1], lv[:, 1:]
+        count = torch.zeros(nb, m - 1, dtype=torch.int64, device=mat.device)
+        count.scatter_add_(1, ids, torch.ones_like(ids))
+        total = torch.zeros_like(count).scatter_add_(1, ids, fix)
+        at_lo = torch.zeros_like(count).scatter_add_(1, ids, (srt == lo.gather(1, ids)).to(torch.int64))
+        at_hi = torch.zeros_like(count).scatter_add_(1, ids, (srt == hi.gather(1, ids)).to(torch.int64))
+        a_fix, b_fix = orq_fixed(lo, sh), orq_fixed(hi, sh)
+        gap = b_fix - a_fix                           # >= 0; every value's fixed point lies in [a_fix, b_fix]
+        need = count * b_fix - total                  # R = Σ (b − g) over the segment, >= 0
+        safe = gap.clamp(min=1)
+        k = torch.where(gap > 0, need // safe + (need % safe > 0).to(torch.int64), torch.ones_like(need))
+        rank = torch.maximum(k.clamp(min=1), at_lo + 1)
+        found = rank <= count - at_hi
+        first = count.cumsum(dim=1) - count
+        c = srt.gather(1, (first + rank - 1).clamp(0, d - 1))
         # none: halves first (no overflow), then clamp, since with equal odd denormal ends 0.5a + 0.5a
         # can leave [a, b]; a tie keeps the midpoint (torch.maximum/minimum break ties on ±0 by device)
-        lo, hi = lv[:, :-1], lv[:, 1:]
         mid = 0.5 * lo + 0.5 * hi
         mid = torch.where(mid > hi, hi, torch.where(mid < lo, lo, mid))
-        c = torch.where(first_ok < d, c, mid)
+        c = torch.where(found, c, mid)
         lv = torch.cat([torch.stack([lv[:, :-1], c], dim=2).reshape(nb, -1), lv[:, -1:]], dim=1)
     return lv
 

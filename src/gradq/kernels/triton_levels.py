@@ -9,10 +9,12 @@ function has the signature and the result of its namesake in :mod:`gradq.kernels
   levels, then the reference's stochastic rounding between the two ends.
 * **Linear's levels**: each bucket sorted in registers by its order-preserving integer keys
   (``_bitonic_rows``, ``_order_key``).
-* **ORQ's levels** (up to 17) and **BinGrad-pb's level**: the same sort, then the reference's
-  float64 running sums in sorted order (``tl.cumsum``). Under the interpreter a scan runs in order,
-  as on the CPU; on a GPU it is a parallel scan, whose sums may differ in their last bits (as torch's
-  CUDA cumsum does too). Buckets above ``_SORT_MAX`` values and more ORQ levels take the reference.
+* **ORQ's levels** (up to 17): the same sort, then the reference's rounds, whose sums are integers
+  (fixed point), so a GPU's parallel reductions give the CPU's levels bit for bit.
+* **BinGrad-pb's level**: the same sort, then the reference's float64 running sums in sorted order
+  (``tl.cumsum``). Under the interpreter a scan runs in order, as on the CPU; on a GPU it is a
+  parallel scan, whose sums may differ in their last bits (as torch's CUDA cumsum does too).
+* Buckets above ``_SORT_MAX`` values and more ORQ levels take the reference.
 * **The one-bit statistics**: whole power-of-two buckets per program, summed in the reference's
   pairwise order (``_fold_rows``); a partial last bucket in one more program.
 """
@@ -392,21 +394,24 @@ def _linear_levels_kernel(x_ptr, pos_ptr, lv_ptr, n, bucket, nrows, L: tl.conste
 
 
 @_jit
-def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constexpr, ITER: tl.constexpr,
-                       P: tl.constexpr, LOG: tl.constexpr):
-    """ORQ's ``L`` levels of one bucket a program (``bucket ≤ P`` values; the last may be shorter), in
-    the operations of :func:`gradq.kernels.reference.orq_levels`: the values sorted by their
-    order-preserving integer keys, the least and greatest as the first two levels, then ``ITER``
-    rounds that split every interval at the first sorted value whose slope (a difference of float64
-    running sums) is not negative, or at the clamped midpoint where none is.
+def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, LG_FULL, LG_TAIL, L: tl.constexpr, LP: tl.constexpr,
+                       ITER: tl.constexpr, P: tl.constexpr, LOG: tl.constexpr):
+    """ORQ's ``L`` levels of one bucket a program (``bucket ≤ P`` values; the last may be shorter), as
+    :func:`gradq.kernels.reference.orq_levels`: the values sorted by their order-preserving integer
+    keys, the least and greatest as the first two levels, then ``ITER`` rounds that split every
+    interval at the value of rank ``max(⌈R/(B − A)⌉, at_lo + 1)`` in its segment (``R = Σ (B − G)``,
+    every value in fixed point ``G = ⌊g·2^sh⌋``, int64), or at the clamped midpoint where that rank
+    reaches the values equal to the interval's top. Integer sums do not depend on their order, so the
+    GPU's parallel reductions give the CPU's levels.
 
     Every sorted value carries the index of its interval (``ids``, non-decreasing along the row).
     After a round the index becomes ``2·ids + (value ≥ new level)``, which is the reference's
     ``searchsorted(right) − 1`` against the interleaved levels: a new level lies inside its
-    interval. Segment starts and ends come from a histogram of the indices (no scan with an operator
-    of its own, which the interpreter runs element by element), so the only ``[P, LP]`` work is one
-    minimum a round (the first good position of each interval). Levels are kept as bit patterns in
-    ``[LP]`` (``LP ≥ L``, a power of two) and moved with gathers, never rounded."""
+    interval. Segment counts and starts come from histograms of the indices (no scan with an
+    operator of its own, which the interpreter runs element by element); the one ``[P, LP]`` sum a
+    round is the segments' fixed-point totals. Levels are kept as bit patterns in ``[LP]``
+    (``LP ≥ L``, a power of two) and moved with gathers, never rounded. ``LG_FULL``/``LG_TAIL``:
+    ``⌈log2 d⌉`` of a full and of the last bucket."""
     r = tl.program_id(0).to(tl.int64)
     start = r * bucket
     width = tl.minimum(n - start, bucket).to(tl.int32)
@@ -416,36 +421,47 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, L: tl.constexpr, LP: tl.constex
     key = tl.where(ok, _order_key(b), 0x7FFFFFFF)
     srtk = _order_key(tl.reshape(_bitonic_rows(tl.reshape(key, (1, P)), 1, P, LOG), (P,)))   # float bits
     srt = srtk.to(tl.float32, bitcast=True)
-    g64 = srt.to(tl.float64)
     j = tl.arange(0, LP)
     lo_bits = tl.sum(tl.where(col == 0, srtk, 0), axis=0)
     hi_bits = tl.sum(tl.where(col == width - 1, srtk, 0), axis=0)
+    # the fixed point of reference.orq_shift / orq_fixed: 2^sh built from its bits
+    top = tl.maximum(lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF)
+    e = tl.maximum((top >> 23) & 0xFF, 1) - 126
+    sh = 61 - e - tl.where(width == bucket, LG_FULL, LG_TAIL)
+    p2 = ((sh + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    fix = tl.where(ok, tl.floor(srt.to(tl.float64) * p2).to(tl.int64), 0)
     lvk = tl.where(j == 0, lo_bits, tl.where(j == 1, hi_bits, 0))      # 2 levels so far
     ids = tl.zeros([P], dtype=tl.int32)
     for it in tl.static_range(ITER):
         lv = lvk.to(tl.float32, bitcast=True)
+        hi = tl.gather(lv, tl.minimum(j + 1, LP - 1), 0)
         a = tl.gather(lv, ids, 0)
         bb = tl.gather(lv, ids + 1, 0)
-        left_terms = tl.where(ok, g64 - a.to(tl.float64), 0.0)
-        right_terms = tl.where(ok, bb.to(tl.float64) - g64, 0.0)
-        cum_l = tl.cumsum(left_terms, 0)
-        cum_r = tl.cumsum(right_terms, 0)
-        # each value's segment (its interval's values, consecutive along the row): where it starts and
-        # ends, from a histogram of the interval indices (the padding counts as one more interval)
+        # per segment (the padding counts as one more interval): its count, first position, values
+        # equal to either end, and fixed-point total
         seg = tl.where(ok, ids, LP)
         cnt = tl.histogram(seg, 2 * LP)
-        st = tl.gather(tl.cumsum(cnt, 0) - cnt, seg, 0)
-        en = st + tl.gather(cnt, seg, 0) - 1
-        left = cum_l - tl.gather(cum_l - left_terms, st, 0)
-        right = tl.gather(cum_r, en, 0) - cum_r
-        good = ok & (srt > a) & (srt < bb) & (left - right >= 0)
-        split = tl.min(tl.where(good[:, None] & (ids[:, None] == j[None, :]), col[:, None], P), axis=0)
-        c_bits = tl.gather(srtk, tl.minimum(split, P - 1), 0)
+        first = tl.cumsum(cnt, 0) - cnt
+        at_lo = tl.histogram(tl.where(ok & (srt == a), ids, LP), 2 * LP)
+        at_hi = tl.histogram(tl.where(ok & (srt == bb), ids, LP), 2 * LP)
+        cnt = tl.gather(cnt, j, 0).to(tl.int64)
+        first = tl.gather(first, j, 0)
+        at_lo = tl.gather(at_lo, j, 0)
+        at_hi = tl.gather(at_hi, j, 0)
+        total = tl.sum(tl.where(seg[:, None] == j[None, :], fix[:, None], 0), axis=0)
+        a_fix = tl.floor(lv.to(tl.float64) * p2).to(tl.int64)
+        b_fix = tl.floor(hi.to(tl.float64) * p2).to(tl.int64)
+        gap = b_fix - a_fix
+        need = cnt * b_fix - total                    # R = Σ (b − g) >= 0
+        safe = tl.maximum(gap, 1)
+        k = tl.where(gap > 0, need // safe + (need % safe > 0).to(tl.int64), 1)
+        rank = tl.maximum(tl.maximum(k, 1), (at_lo + 1).to(tl.int64))
+        found = rank <= cnt - at_hi
+        c_bits = tl.gather(srtk, tl.minimum(tl.maximum(first + rank.to(tl.int32) - 1, 0), P - 1), 0)
         # no split: the midpoint, halves first (no overflow), clamped into the interval
-        hi = tl.gather(lv, tl.minimum(j + 1, LP - 1), 0)
         mid = 0.5 * lv + 0.5 * hi
         mid = tl.where(mid > hi, hi, tl.where(mid < lv, lv, mid))
-        c_bits = tl.where(split < P, c_bits, mid.to(tl.int32, bitcast=True))
+        c_bits = tl.where(found, c_bits, mid.to(tl.int32, bitcast=True))
         if it + 1 < ITER:
             ids = 2 * ids + (srt >= tl.gather(c_bits.to(tl.float32, bitcast=True), ids, 0)).to(tl.int32)
         # interleave: level k of the next round is old level k/2 (k even) or new level (k − 1)/2 (k odd)
@@ -576,7 +592,9 @@ def orq_levels(x: torch.Tensor, L: int, bucket: Optional[int]) -> torch.Tensor:
     if nb:
         p = max(16, 1 << (d - 1).bit_length())
         warps = min(32, max(1, p // TUNING["orq_warp_elems"]))
-        _launch(_orq_levels_kernel, (nb,), xv, levels, n, d, L=L, LP=1 << (L - 1).bit_length(),
+        tail = n - (nb - 1) * d
+        _launch(_orq_levels_kernel, (nb,), xv, levels, n, d, (d - 1).bit_length(), (tail - 1).bit_length(),
+                L=L, LP=1 << (L - 1).bit_length(),
                 ITER=(L - 1).bit_length() - 1, P=p, LOG=p.bit_length() - 1, num_warps=warps)
     return levels
 

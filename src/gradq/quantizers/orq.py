@@ -19,9 +19,16 @@ which the slope on ``(g_k, g_{k+1})`` — left set ``{g ≤ g_k}`` — first bec
 form of the optimality condition ``Σ_{a≤g<c}(g − a) = Σ_{c≤g≤b}(b − g)``. The greedy recursion starts
 from ``{min, max}`` and, ``log2(L − 1)`` times, inserts that ``c`` into every current interval (the
 midpoint ``(a + b)/2`` when no value lies strictly inside ``(a, b)``), giving ``L ∈ {3, 5, 9, 17}``
-levels. All buckets and intervals of a round are handled at once: values are sorted per bucket,
-assigned to intervals with ``searchsorted``, the segment sums come from global cumulative sums minus
-the cumulative sum at the segment's start, and a ``scatter_reduce(amin)`` picks each interval's ``c``.
+levels.
+
+Because every value of the segment is in exactly one of the two sums of ``h``, the slope after the
+first ``k`` sorted values is ``k·(b − a) − Σ_{segment}(b − g)``: the split is simply the value of rank
+``⌈Σ(b − g)/(b − a)⌉`` in the segment (moved up past values equal to ``a``). That sum and ``b − a``
+are computed exactly, in int64 fixed point (each value as ``⌊g·2^sh⌋``, ``sh`` from the bucket's
+largest magnitude and length so that no sum overflows), so the level does not depend on the order of
+any summation and every backend, a GPU's parallel reductions included, finds the same one. All
+buckets and intervals of a round are handled at once: values are sorted per bucket, assigned to
+intervals with ``searchsorted``, and per-interval counts and totals come from ``scatter_add``.
 
 **Linear-L** (the paper's naive baseline): levels at the bucket's empirical quantiles ``i/(L − 1)``,
 ``b_i = sorted[round(i·(d − 1)/(L − 1))]`` (``b_0 = min``, ``b_{L−1} = max``), same rounding.
