@@ -109,18 +109,25 @@ def _fixed(v, p2):
 
 
 @_inline
-def _orq_split(srt, fix, s, e, a32, b32, p2):
-    """Position of the reference's split of segment ``[s, e)`` (interval ``[a32, b32]``) of the
-    sorted row ``srt`` (``fix``: its values in fixed point), ``−1`` when no value lies strictly
-    inside: the value of rank ``⌈R/(B − A)⌉`` in the segment (``R = Σ (B − G)``), moved up past the
-    values equal to ``a``; none if that reaches the values equal to ``b``."""
-    lo, hi = _segment_bounds(srt, s, e, a32, b32)
-    if lo >= hi:
-        return -1
-    seg = fix[s:e]            # indices from 0: no wrap-around test per element, so the sum vectorizes
+def _fixed_sum(fix, s, e):
+    """``Σ fix[s:e]`` (int64; the slice indexes from 0, so no wrap-around test per element and the
+    loop vectorizes)."""
+    seg = fix[s:e]
     tot = np.int64(0)
     for p in range(seg.size):
         tot += seg[p]
+    return tot
+
+
+@_inline
+def _orq_split(srt, tot, s, e, a32, b32, p2):
+    """Position of the reference's split of segment ``[s, e)`` (interval ``[a32, b32]``, fixed-point
+    total ``tot``) of the sorted row ``srt``, ``−1`` when no value lies strictly inside: the value of
+    rank ``⌈R/(B − A)⌉`` in the segment (``R = Σ (B − G)``), moved up past the values equal to ``a``;
+    none if that reaches the values equal to ``b``."""
+    lo, hi = _segment_bounds(srt, s, e, a32, b32)
+    if lo >= hi:
+        return -1
     b_fix = _fixed(b32, p2)
     gap = b_fix - _fixed(a32, p2)
     need = (e - s) * b_fix - tot
@@ -140,10 +147,11 @@ def _midpoint(a32, b32):
 
 
 @_inline
-def _next_levels(srt, fix, m, lv, cnt, p2, starts, nlv, nst):
-    """One greedy round for one row (``starts[j]`` = first position of segment ``j``): new levels
-    into ``lv[:2·cnt − 1]``, their segment starts into ``starts`` (an old level keeps its start; a
-    split's is the first copy of its value)."""
+def _next_levels(srt, fix, m, lv, cnt, p2, starts, tots, nlv, nst, ntot):
+    """One greedy round for one row (``starts[j]`` = first position of segment ``j``, ``tots[j]`` its
+    fixed-point total): new levels into ``lv[:2·cnt − 1]``, their segment starts and totals into
+    ``starts`` and ``tots`` (an old level keeps its start; a split's is the first copy of its value;
+    the shorter half is summed, the other is the rest)."""
     for j in range(cnt - 1):
         a32 = lv[j]
         b32 = lv[j + 1]
@@ -151,7 +159,7 @@ def _next_levels(srt, fix, m, lv, cnt, p2, starts, nlv, nst):
         e = starts[j + 1]
         z = -1
         if s < e:
-            z = _orq_split(srt, fix, s, e, a32, b32, p2)
+            z = _orq_split(srt, tots[j], s, e, a32, b32, p2)
         if z >= 0:
             c = srt[z]
             st = z
@@ -162,31 +170,42 @@ def _next_levels(srt, fix, m, lv, cnt, p2, starts, nlv, nst):
         else:
             c = _midpoint(a32, b32)
             st = _lower_bound(srt, s, e, c)
+        if st - s <= e - st:
+            left = _fixed_sum(fix, s, st)
+        else:
+            left = tots[j] - _fixed_sum(fix, st, e)
         nlv[2 * j] = a32
         nlv[2 * j + 1] = c
         nst[2 * j] = s
         nst[2 * j + 1] = st
+        ntot[2 * j] = left
+        ntot[2 * j + 1] = tots[j] - left
     nlv[2 * (cnt - 1)] = lv[cnt - 1]
     nst[2 * (cnt - 1)] = m
     for j in range(2 * cnt - 1):
         lv[j] = nlv[j]
         starts[j] = nst[j]
+        tots[j] = ntot[j]
 
 
 @_inline
-def _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst):
+def _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst, tots, ntot):
     """ORQ levels of the sorted row ``srt[:m]`` into ``lv[:2**rounds + 1]`` (``fix``: scratch for
-    ``m`` int64)."""
+    ``m`` int64; ``tots``, ``ntot``: for ``2**rounds`` int64)."""
     p2 = _orq_scale(srt, m)
+    tot = np.int64(0)
     for p in range(m):
-        fix[p] = _fixed(srt[p], p2)
+        g = _fixed(srt[p], p2)
+        fix[p] = g
+        tot += g
     lv[0] = srt[0]
     lv[1] = srt[m - 1]
     starts[0] = 0
     starts[1] = m
+    tots[0] = tot
     cnt = 2
     for _ in range(rounds):
-        _next_levels(srt, fix, m, lv, cnt, p2, starts, nlv, nst)
+        _next_levels(srt, fix, m, lv, cnt, p2, starts, tots, nlv, nst, ntot)
         cnt = 2 * cnt - 1
 
 
@@ -196,15 +215,16 @@ _GROUP = 8   # buckets per levels-only task
 
 @_inline
 def _workspace(d, L):
-    """Scratch for buckets of up to ``d`` values: the sort's buffer and output, the levels, the
-    values in fixed point, the next round's levels and the segment starts (both twice)."""
+    """Scratch for buckets of up to ``d`` values: the sort's buffer and output, the values in fixed
+    point, the next round's levels, the segment starts (twice) and the segments' totals (twice)."""
     npad = _pad_size(d) if d <= _VSORT_MAX else d
     return (np.empty(npad, np.float32), np.empty(npad, np.float32), np.empty(npad, np.int64),
-            np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64))
+            np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64))
 
 
 @_func
-def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv, starts, nst):
+def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv, starts, nst,
+                   tt):
     """Levels of bucket ``b`` into ``levels[b·L : (b + 1)·L]``; returns the sort's flags."""
     bs = b * bucket
     be = min(x.size, bs + bucket)
@@ -218,18 +238,18 @@ def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels
         for i in range(L):
             lv[i] = srt[pos[i]]
     else:
-        _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst)
+        _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst, tt[0], tt[1])
     return flags
 
 
 @_func
 def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, out):
     """Levels of buckets ``b0 … b1 − 1``; returns the OR of their flags."""
-    buf, srt, fix, nlv, starts, nst = _workspace(bucket, L)
+    buf, srt, fix, nlv, starts, nst, tt = _workspace(bucket, L)
     flags = 0
     for b in range(b0, b1):
         flags |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
-                                starts, nst)
+                                starts, nst, tt)
         if flags & _FLAG_NONFINITE:
             break
     return flags
@@ -328,11 +348,11 @@ def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, wi
     nb = (n + bucket - 1) // bucket
     tmp = np.empty(e1 - e0, np.uint8)
     ubuf = np.empty(1024, np.float32)
-    buf, srt, fix, nlv, starts, nst = _workspace(bucket, L)
+    buf, srt, fix, nlv, starts, nst, tt = _workspace(bucket, L)
     fl = 0
     for b in range(e0 // bucket, min(nb, (e1 + bucket - 1) // bucket)):
         fl |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv,
-                             starts, nst)
+                             starts, nst, tt)
         if fl & _FLAG_NONFINITE:
             return fl
         lv = levels[b * L:(b + 1) * L]
