@@ -86,6 +86,13 @@ class _LevelQuantizer(Quantizer):
         codes, lv = self._encode_levels(v, ctx.rng)  # levels, rounding and packing per bucket
         return {"codes": codes, "levels": lv.reshape(-1)}
 
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        # a bucket's first and last levels are its least and greatest values in the order of the
+        # integer keys (reference.sort_rows), where every NaN and Inf sorts to one end or the other;
+        # ORQ's fixed-point sums of such a bucket are garbage but harmless (integer arithmetic, a
+        # divisor of at least 1, clamped gathers), and the CPU kernel raises on its own
+        return "levels" if x.dtype == torch.float32 else None
+
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         lv = fields["levels"].to(torch.float32).view(-1, self.levels)
         return kernels.levels_decode(fields["codes"], lv, self.bucket, self.width, numel)
@@ -118,8 +125,3 @@ class Linear(_LevelQuantizer):
 
     def _encode_levels(self, v: torch.Tensor, rng: RandomStream) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.linear_encode(v, self.levels, self.bucket, self.width, rng)
-
-    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
-        # a bucket's first and last levels are its least and greatest values in the order of the
-        # integer keys (reference.sort_rows), where every NaN and Inf sorts to one end or the other
-        return "levels" if x.dtype == torch.float32 else None
