@@ -125,12 +125,12 @@ def test_l2_norm_of_finite_values_saturates_instead_of_overflowing(spec):
 
 
 # The schemes whose payload has a field that shows a NaN/Inf input (QSGD's, MaxNorm's and
-# MultiScale's and TernGrad's scales, the 1-bit levels, Linear's levels): they skip the up-front screen.
+# MultiScale's and TernGrad's scales, the 1-bit levels, ORQ's and Linear's levels): they skip the up-front screen.
 WITNESS_SPECS = ["qsgd:bits=4,bucket=64", "qsgd:bits=2,bucket=7,norm=l2", "maxnorm:bits=4,bucket=64",
                  "terngrad", "terngrad:bucket=7", "terngrad:clip=none,pack=2bit,bucket=64",
                  "multiscale:bits=2+6,bucket=64", "signsgd:bucket=64", "onebit:ef=0,bucket=7",
-                 "bingrad-b:bucket=64", "bingrad-b:iters=3,bucket=7", "linear:levels=5,bucket=64",
-                 "linear:levels=3,bucket=none"]
+                 "bingrad-b:bucket=64", "bingrad-b:iters=3,bucket=7", "orq:levels=5,bucket=64",
+                 "orq:levels=9,bucket=7", "linear:levels=5,bucket=64", "linear:levels=3,bucket=none"]
 BAD_VALUES = [float("nan"), -float("nan"), float("inf"), -float("inf")]
 
 
@@ -170,13 +170,13 @@ def _no_screen(x, name=None):
     raise AssertionError("the up-front screen ran")
 
 
-@pytest.mark.parametrize("spec,x", [("bingrad-pb", torch.ones(10)), ("orq", torch.ones(10)),
+@pytest.mark.parametrize("spec,x", [("bingrad-pb", torch.ones(10)), ("orq", torch.ones(10, dtype=torch.float64)),
                                     ("terngrad", torch.ones(10, dtype=torch.float64)),
                                     ("qsgd", torch.ones(10, dtype=torch.float64)),
                                     ("maxnorm", torch.ones(10, dtype=torch.float16))])
 def test_schemes_without_a_witness_still_screen_first(spec, x, monkeypatch):
-    """Where no field is a witness (BinGrad-pb's level can clip an Inf away; ORQ keeps the screen; a
-    float64 input can overflow to Inf in float32), the screen still runs before the encode."""
+    """Where no field is a witness (BinGrad-pb's level can clip an Inf away; a float64 input can
+    overflow to Inf in float32), the screen still runs before the encode."""
     from gradq.quantizers import base
 
     monkeypatch.setattr(base, "check_finite", _no_screen)
