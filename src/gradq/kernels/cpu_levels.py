@@ -210,7 +210,16 @@ def _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst, tots, ntot):
 
 
 # -- one bucket: sort, levels -------------------------------------------------------------------------
-_GROUP = 8   # buckets per levels-only task
+_GROUP = 8   # buckets per levels-only task, and per step of the encode
+
+
+@_inline
+def _aligned32(size):
+    """``size`` float32 starting on a 64-byte boundary, so the sort's 16-lane loads never straddle
+    two cache lines."""
+    w = np.empty(size + 16, np.float32)
+    a0 = (-(w.ctypes.data // 4)) % 16
+    return w[a0:a0 + size]
 
 
 @_inline
@@ -218,11 +227,11 @@ def _workspace(d, L):
     """Scratch for buckets of up to ``d`` values: the sort's buffer and output, the values in fixed
     point, the next round's levels, the segment starts (twice) and the segments' totals (twice)."""
     npad = _pad_size(d) if d <= _VSORT_MAX else d
-    return (np.empty(npad, np.float32), np.empty(npad, np.float32), np.empty(npad, np.int64),
+    return (_aligned32(npad), _aligned32(npad), np.empty(npad, np.int64),
             np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64))
 
 
-@_func
+@_inline
 def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv, starts, nst,
                    tt):
     """Levels of bucket ``b`` into ``levels[b·L : (b + 1)·L]``; returns the sort's flags."""
@@ -342,38 +351,44 @@ def _round_fast(xr, tr, lv, L, base, k2h):
 
 @_func
 def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, width, k1, k2, ctr0, levels, out):
-    """Levels of the buckets of ``x[e0:e1]`` (whole buckets), each followed by the rounding of its
-    elements, then the packing of the chunk's indices. Returns the OR of the bucket flags."""
+    """Levels of the buckets of ``x[e0:e1]`` (whole buckets), eight buckets at a time, then the
+    rounding of their elements, then the packing of the chunk's indices. Returns the OR of the
+    bucket flags. (Sorting and rounding bucket by bucket instead ran about 10 % slower: the two
+    large loops then take turns in the instruction caches every 512 values.)"""
     n = x.size
     nb = (n + bucket - 1) // bucket
     tmp = np.empty(e1 - e0, np.uint8)
     ubuf = np.empty(1024, np.float32)
     buf, srt, fix, nlv, starts, nst, tt = _workspace(bucket, L)
     fl = 0
-    for b in range(e0 // bucket, min(nb, (e1 + bucket - 1) // bucket)):
-        fl |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv,
-                             starts, nst, tt)
-        if fl & _FLAG_NONFINITE:
-            return fl
-        lv = levels[b * L:(b + 1) * L]
-        ok = True
-        for j in range(L - 1):
-            ok = ok and lv[j] <= lv[j + 1]
-        p = b * bucket
-        q = min(n, p + bucket)
-        fast = ok and (L == 3 or L == 5 or L == 9 or L == 17)
-        while p < q:
-            e = _run_end(ctr0 + p, p, q)
-            if not fast:
-                e = min(e, p + ubuf.size)
-            base, k2h = _run_keys(ctr0 + p, k1, k2)
-            if fast:
-                _round_fast(x[p:e], tmp[p - e0:e - e0], lv, L, base, k2h)
-            else:
-                u = ubuf[:e - p]
-                _fill_uniform(u, base, k2h)
-                _round_any(x[p:e], tmp[p - e0:e - e0], u, lv, L)
-            p = e
+    b1 = min(nb, (e1 + bucket - 1) // bucket)
+    for g0 in range(e0 // bucket, b1, _GROUP):
+        g1 = min(b1, g0 + _GROUP)
+        for b in range(g0, g1):
+            fl |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix,
+                                 nlv, starts, nst, tt)
+            if fl & _FLAG_NONFINITE:
+                return fl
+        for b in range(g0, g1):
+            lv = levels[b * L:(b + 1) * L]
+            ok = True
+            for j in range(L - 1):
+                ok = ok and lv[j] <= lv[j + 1]
+            p = b * bucket
+            q = min(n, p + bucket)
+            fast = ok and (L == 3 or L == 5 or L == 9 or L == 17)
+            while p < q:
+                e = _run_end(ctr0 + p, p, q)
+                if not fast:
+                    e = min(e, p + ubuf.size)
+                base, k2h = _run_keys(ctr0 + p, k1, k2)
+                if fast:
+                    _round_fast(x[p:e], tmp[p - e0:e - e0], lv, L, base, k2h)
+                else:
+                    u = ubuf[:e - p]
+                    _fill_uniform(u, base, k2h)
+                    _round_any(x[p:e], tmp[p - e0:e - e0], u, lv, L)
+                p = e
     _pack(tmp, width, out[(e0 * width) // 8:])
     return fl
 
