@@ -231,7 +231,7 @@ def _workspace(d, L):
             np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64))
 
 
-@_inline
+@_func
 def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels, buf, srt, fix, nlv, starts, nst,
                    tt):
     """Levels of bucket ``b`` into ``levels[b·L : (b + 1)·L]``; returns the sort's flags."""
