@@ -459,3 +459,43 @@ def test_argument_errors():
         K.maxabs_uniform_encode(x, 7, 0, 4, 0)
     with pytest.raises(ValueError):
         K.uniform_encode(x, K.maxabs_scales(x, 8), 7, 8, 4, 0, out=torch.empty(10, dtype=torch.uint8))
+
+
+def test_borrowed_views_alias_their_owner_and_count_no_references():
+    """``numba_common._borrowed`` gives a view with no owner (a null meminfo, so numba's reference
+    counting of it costs nothing) over the owner's memory; ``_keep`` keeps the owner alive up to its
+    call, so writes through the view land in the owner's buffer and a later allocation does not
+    take it."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from gradq.kernels import numba_ops
+    numba_ops._cpu()
+    from gradq.kernels.numba_common import _borrowed, _keep
+
+    @intrinsic
+    def meminfo_is_null(typingctx, arr):
+        def codegen(context, builder, signature, args):
+            mi = context.make_array(signature.args[0])(context, builder, args[0]).meminfo
+            return builder.zext(builder.icmp_unsigned("==", mi, ir.Constant(mi.type, None)), ir.IntType(8))
+        return types.uint8(arr), codegen
+
+    @njit(cache=False)
+    def fill(n):
+        own = np.zeros(n, np.int64)
+        view = _borrowed(own)
+        for i in range(n):
+            view[i] = i * i
+        other = np.full(n, -1, np.int64)   # allocated while the view is in use
+        total = 0
+        for i in range(n):
+            total += view[i] + other[i]
+        flags = (meminfo_is_null(own), meminfo_is_null(view), meminfo_is_null(view[1:]))
+        _keep(own)
+        return own, total, flags
+
+    own, total, flags = fill(1000)
+    assert np.array_equal(own, np.arange(1000) ** 2)
+    assert total == int((np.arange(1000) ** 2).sum()) - 1000
+    assert flags == (0, 1, 1)

@@ -478,7 +478,7 @@ def _pad_size(m):
     return p
 
 
-@_func
+@_inline
 def _sort_row(xs, xi, buf, srt):
     """``srt[:xs.size]`` = the bucket ``xs`` sorted as ``reference.sort_rows`` orders it (``−0.0``
     before ``+0.0``); returns the flags."""

@@ -116,6 +116,58 @@ def _ir_counters(builder, vi, base):
 
 
 @intrinsic
+def _borrowed(typingctx, arr):
+    """A view of ``arr`` that numba does not reference-count (no owner). Passing an owned array to a
+    function that is not inlined, or slicing it, costs an atomic increment and decrement of its
+    owner's count, which two threads working on one input fight over; a borrowed view costs neither.
+    The caller keeps the owner alive (:func:`_keep`) for as long as the view is used."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = arr(arr)
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        dst = context.make_array(signature.return_type)(context, builder)
+        for field in ("data", "shape", "strides", "itemsize", "nitems"):
+            setattr(dst, field, getattr(src, field))
+        dst.meminfo = cgutils.get_null_value(dst.meminfo.type)
+        dst.parent = cgutils.get_null_value(dst.parent.type)
+        return dst._getvalue()
+
+    return sig, codegen
+
+
+@intrinsic
+def _keep(typingctx, arr):
+    """Nothing, but a use of ``arr``: numba releases an array after its last use, so a call at the
+    end of a function keeps the owner of :func:`_borrowed` views alive until then."""
+    return types.void(arr), lambda context, builder, signature, args: context.get_dummy_value()
+
+
+@intrinsic
+def _prefetch_line(typingctx, arr, i):
+    """Ask for the cache line holding ``arr[i]`` (a hint: it never faults, even past the end)."""
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, args[0]).data, [args[1]])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_inline
+def _prefetch(arr, lo, hi):
+    """Ask for the cache lines of ``arr[lo:hi]`` (float32 or int32: 16 elements a line)."""
+    for i in range(lo, hi, 16):
+        _prefetch_line(arr, i)
+
+
+@intrinsic
 def _uniform(typingctx, base, i, k2h):
     """Uniform float32 of element ``i`` of a run (``base``, ``k2h`` uint32 from :func:`_run_keys`)."""
     sig = types.float32(types.uint32, i, types.uint32)
