@@ -499,3 +499,40 @@ def test_borrowed_views_alias_their_owner_and_count_no_references():
     assert np.array_equal(own, np.arange(1000) ** 2)
     assert total == int((np.arange(1000) ** 2).sum()) - 1000
     assert flags == (0, 1, 1)
+
+
+_PACK_SCRIPT = """
+import numpy as np, torch
+from numba import njit
+from gradq.kernels import numba_ops
+numba_ops._cpu()
+from gradq.kernels.numba_common import _pack
+from gradq.codecs.bitpack import pack_bits
+
+@njit(cache=False)
+def pack(tmp, width, out):
+    _pack(tmp, width, out)
+
+g = np.random.default_rng(0)
+for width in (3, 5, 6, 7):
+    for m in (0, 1, 7, 8, 9, 16, 23, 64, 1001):
+        tmp = g.integers(0, 1 << width, m).astype(np.uint8)
+        out = np.full((m * width + 7) // 8 + 8, 0xAB, np.uint8)
+        pack(tmp, width, out)
+        want = pack_bits(torch.from_numpy(tmp.astype(np.int64)), width).numpy()
+        assert np.array_equal(out[:want.size], want), (width, m)
+        assert (out[want.size:] == 0xAB).all(), (width, m)   # nothing written past the fields
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("cpu", ["host", "generic"])
+def test_pack_of_odd_widths_with_and_without_pext(cpu, tmp_path):
+    """Fields of 3, 5, 6 and 7 bits pack by BMI2's ``pext`` where the CPU has it and by shifts where
+    it does not (numba compiling for a generic x86-64): the same bytes as ``pack_bits``, and no byte
+    written past the last field (a chunk's neighbour belongs to another thread)."""
+    env = dict(os.environ, GRADQ_NUMBA_CACHE=str(tmp_path))
+    if cpu == "generic":
+        env["NUMBA_CPU_NAME"] = "generic"
+    out = subprocess.run([sys.executable, "-c", _PACK_SCRIPT], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
