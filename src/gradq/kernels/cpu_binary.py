@@ -50,7 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_common import (_ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _run_end, _run_keys,
+from .numba_common import (_borrowed, _ir_counters, _ir_splat, _ir_uniform, _ir_vectors, _keep, _run_end, _run_keys,
                            _threshold_bits, _uniform)
 
 # fastmath stays off. Large per-bucket helpers are ordinary (called) functions, compiled once, which
@@ -786,14 +786,16 @@ def bingrad_pb_encode(x, xi, bucket, k1, k2, ctr0, chunk, compute, bits, levels,
     ``ctr0 + i``) packed 8 per byte (``chunk`` a multiple of 8)."""
     n = x.size
     width = min(bucket, n)
+    # borrowed views (numba_common._borrowed): the per-bucket calls and slices then count no
+    # references on arrays that the threads share
+    x, xi, levels, fallback, out = _borrowed(x), _borrowed(xi), _borrowed(levels), _borrowed(fallback), _borrowed(out)
     for c in prange((n + chunk - 1) // chunk):
         e0 = c * chunk
         e1 = min(n, e0 + chunk)
-        tmp = np.empty(e1 - e0 if bits else 0, np.uint8)
-        sub = np.empty(width if compute else 0, np.int32)
-        suf = np.empty(_MAX_BRACKET + 1, F64)
-        res_f = np.empty(1, F64)
-        res_i = np.empty(3, np.int64)
+        own = (np.empty(e1 - e0 if bits else 0, np.uint8), np.empty(width if compute else 0, np.int32),
+               np.empty(_MAX_BRACKET + 1, F64), np.empty(1, F64), np.empty(3, np.int64))
+        tmp, sub, suf = _borrowed(own[0]), _borrowed(own[1]), _borrowed(own[2])
+        res_f, res_i = _borrowed(own[3]), _borrowed(own[4])
         lv = F32(0.0)
         p = e0
         while p < e1:
@@ -810,3 +812,4 @@ def bingrad_pb_encode(x, xi, bucket, k1, k2, ctr0, chunk, compute, bits, levels,
             p = q
         if bits:
             _pack_bits(tmp, out[e0 // 8:])
+        _keep(own)
