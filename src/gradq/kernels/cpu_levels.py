@@ -43,7 +43,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row
+from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row, _sorted_at
 from .numba_common import (_borrowed, _fill_uniform, _ir_counters, _ir_splat, _ir_target_features, _ir_uniform,
                            _ir_vectors, _keep, _pack, _prefetch, _round_any, _run_end, _run_keys, _uniform)
 
@@ -280,17 +280,17 @@ def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels
     be = min(x.size, bs + bucket)
     m = be - bs
     _prefetch(x, bs + 2 * bucket, min(x.size, bs + 3 * bucket))
-    flags = _sort_row(x[bs:be], xi[bs:be], buf, srt)
+    flags = _sort_row(x[bs:be], xi[bs:be], buf, srt, mode != 1)   # Linear reads L positions
     if flags & _FLAG_NONFINITE:
         return flags
     lv = levels[b * L:(b + 1) * L]
     if mode == 1:
         pos = pos_full if m == bucket else pos_tail
         for i in range(L):
-            lv[i] = srt[pos[i]]
+            lv[i] = _sorted_at(buf, srt, m, flags, pos[i])
     else:
         _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst, tt[0], tt[1])
-    return flags
+    return flags & 7
 
 
 @_func

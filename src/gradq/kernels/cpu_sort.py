@@ -27,6 +27,7 @@ _NEG0 = -2147483648            # int32 bit pattern of -0.0
 _EXP = 0x7F800000
 _VSORT_MAX = 2048              # longest row for the bitonic network (padded to a power of two)
 _FLAG_POS0, _FLAG_NEG0, _FLAG_NONFINITE = 1, 2, 4
+_FLAG_COLUMNS = 8              # the sorted row was left in the network's layout (see _sort_row)
 
 _inline = njit(inline="always", cache=True, error_model="numpy")
 _func = njit(cache=True, error_model="numpy")
@@ -329,8 +330,10 @@ def _mirror4(buf, a, b, c, d, lm):
 
 
 @_inline
-def _bitonic(buf, nvec, out):
-    """Sort ``buf[:16·nvec]`` (``nvec`` a power of two; ``buf`` is scrambled) into ``out``."""
+def _bitonic(buf, nvec, out, transpose=True):
+    """Sort ``buf[:16·nvec]`` (``nvec`` a power of two; ``buf`` is scrambled) into ``out``; without
+    ``transpose``, leave it in ``buf`` in the network's layout: element ``e`` of the sorted row is
+    ``buf[(e % nvec)·16 + e // nvec]``."""
     g = min(nvec, 16)
     ngrp = nvec // g
     for i in range(ngrp):
@@ -363,6 +366,8 @@ def _bitonic(buf, nvec, out):
             for i in range(ngrp):
                 _group_finish(buf, i, g)
         k *= 2
+    if not transpose:
+        return
     if nvec >= 16:
         for i in range(nvec // 16):
             _transpose16(buf, i, out, nvec)
@@ -479,19 +484,32 @@ def _pad_size(m):
 
 
 @_inline
-def _sort_row(xs, xi, buf, srt):
+def _sort_row(xs, xi, buf, srt, transpose=True):
     """``srt[:xs.size]`` = the bucket ``xs`` sorted as ``reference.sort_rows`` orders it (``−0.0``
-    before ``+0.0``); returns the flags."""
+    before ``+0.0``); returns the flags. Without ``transpose``, a row that went through the network
+    may instead be left in ``buf`` in its layout (:func:`_bitonic`), flagged :data:`_FLAG_COLUMNS`
+    (for a caller that reads a few positions: :func:`_sorted_at`)."""
     m = xs.size
     if m <= _VSORT_MAX:
         npad = _pad_size(m)
         flags = _copy_pad(xs, xi, buf, npad)
         if (flags & 3) != 3:
             if not flags & _FLAG_NONFINITE:
-                _bitonic(buf, npad // _W, srt)
+                _bitonic(buf, npad // _W, srt, transpose)
+                if not transpose:
+                    flags |= _FLAG_COLUMNS
             return flags
     flags = _copy_pad(xs, xi, srt, m)
     if flags & _FLAG_NONFINITE:
         return flags
     _radix_sort(srt, m)
     return flags
+
+
+@_inline
+def _sorted_at(buf, srt, m, flags, e):
+    """Element ``e`` of the sorted row of ``m`` values that :func:`_sort_row` gave with ``flags``."""
+    if flags & _FLAG_COLUMNS:
+        nvec = _pad_size(m) // _W
+        return buf[(e % nvec) * _W + e // nvec]
+    return srt[e]
