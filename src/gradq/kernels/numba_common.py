@@ -297,52 +297,57 @@ def _unpack_groups(data, tmp, w):
             tmp[8 * g + k] = (word >> (k * w)) & mask
 
 
-def _pack_pext_intrinsic(w):
-    """Whole groups of 8 fields of ``w`` bits (3, 5, 6 or 7) -> ``w`` bytes each, by one BMI2 ``pext``
-    of the group's 8 bytes; returns the number of groups packed (0 without BMI2: the caller's loop
-    does them). Each group but the last stores 4 or 8 bytes, the spare ones overwritten by the next
-    group; the last stores its ``w`` bytes exactly."""
-    mask = int.from_bytes(bytes([(1 << w) - 1] * 8), "little")
+@intrinsic
+def _pack_pext(typingctx, tmp, out, ngroups, w):
+    """Whole groups of 8 fields of ``w`` bits (a literal: 3, 5, 6 or 7) -> ``w`` bytes each, by one
+    BMI2 ``pext`` of the group's 8 bytes; returns the number of groups packed (0 without BMI2: the
+    caller's loop does them). Each group but the last stores 4 or 8 bytes, the spare ones
+    overwritten by the next group; the last stores its ``w`` bytes exactly."""
+    if not isinstance(w, types.IntegerLiteral):
+        return None
+    wv = w.literal_value
+    mask = int.from_bytes(bytes([(1 << wv) - 1] * 8), "little")
+    sig = types.intp(tmp, out, ngroups, w)
 
-    @intrinsic
-    def _impl(typingctx, tmp, out, ngroups):
-        sig = types.intp(tmp, out, ngroups)
+    def codegen(context, builder, signature, args):
+        i8, i64 = ir.IntType(8), ir.IntType(64)
+        count = context.cast(builder, args[2], signature.args[2], types.intp)
+        if "bmi2" not in _ir_target_features(context):
+            return ir.Constant(count.type, 0)
+        tptr = context.make_array(signature.args[0])(context, builder, args[0]).data
+        optr = context.make_array(signature.args[1])(context, builder, args[1]).data
+        pext = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]),
+                                              "llvm.x86.bmi.pext.64")
+        wide = ir.IntType(32 if wv == 3 else 64)
 
-        def codegen(context, builder, signature, args):
-            i8, i64 = ir.IntType(8), ir.IntType(64)
-            count = context.cast(builder, args[2], signature.args[2], types.intp)
-            if "bmi2" not in _ir_target_features(context):
-                return ir.Constant(count.type, 0)
-            tptr = context.make_array(signature.args[0])(context, builder, args[0]).data
-            optr = context.make_array(signature.args[1])(context, builder, args[1]).data
-            pext = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]),
-                                                  "llvm.x86.bmi.pext.64")
-            wide = ir.IntType(32 if w == 3 else 64)
+        def group(g):
+            src = builder.gep(tptr, [builder.mul(g, ir.Constant(g.type, 8))])
+            word = builder.load(builder.bitcast(src, i64.as_pointer()), align=1)
+            return builder.call(pext, [word, ir.Constant(i64, mask)]), builder.gep(
+                optr, [builder.mul(g, ir.Constant(g.type, wv))])
 
-            def group(g):
-                src = builder.gep(tptr, [builder.mul(g, ir.Constant(g.type, 8))])
-                word = builder.load(builder.bitcast(src, i64.as_pointer()), align=1)
-                return builder.call(pext, [word, ir.Constant(i64, mask)]), builder.gep(
-                    optr, [builder.mul(g, ir.Constant(g.type, w))])
+        last = builder.sub(count, ir.Constant(count.type, 1))
+        with cgutils.for_range(builder, last) as loop:
+            bits, dst = group(loop.index)
+            builder.store(builder.trunc(bits, wide) if wv == 3 else bits, builder.bitcast(dst, wide.as_pointer()),
+                          align=1)
+        with builder.if_then(builder.icmp_signed(">", count, ir.Constant(count.type, 0))):
+            bits, dst = group(last)
+            for b in range(wv):
+                byte = builder.trunc(builder.lshr(bits, ir.Constant(i64, 8 * b)), i8)
+                builder.store(byte, builder.gep(dst, [ir.Constant(ir.IntType(32), b)]))
+        return count
 
-            last = builder.sub(count, ir.Constant(count.type, 1))
-            with cgutils.for_range(builder, last) as loop:
-                bits, dst = group(loop.index)
-                builder.store(builder.trunc(bits, wide) if w == 3 else bits,
-                              builder.bitcast(dst, wide.as_pointer()), align=1)
-            with builder.if_then(builder.icmp_signed(">", count, ir.Constant(count.type, 0))):
-                bits, dst = group(last)
-                for b in range(w):
-                    byte = builder.trunc(builder.lshr(bits, ir.Constant(i64, 8 * b)), i8)
-                    builder.store(byte, builder.gep(dst, [ir.Constant(ir.IntType(32), b)]))
-            return count
-
-        return sig, codegen
-
-    return _impl
+    return sig, codegen
 
 
-_pack_pext3, _pack_pext5, _pack_pext6, _pack_pext7 = (_pack_pext_intrinsic(w) for w in (3, 5, 6, 7))
+@_inline
+def _pack_odd(tmp, out, w):
+    """Whole groups of 8 fields of ``w`` bits (a literal): by ``pext`` where the CPU has it, else by
+    shifts."""
+    ng = tmp.size // 8
+    if _pack_pext(tmp, out, ng, w) < ng:
+        _pack_groups(tmp, out, w)
 
 
 @_inline
@@ -364,25 +369,14 @@ def _pack(tmp, width, out):
             k = 8 * j
             out[j] = (tmp[k] | (tmp[k + 1] << 1) | (tmp[k + 2] << 2) | (tmp[k + 3] << 3)
                       | (tmp[k + 4] << 4) | (tmp[k + 5] << 5) | (tmp[k + 6] << 6) | (tmp[k + 7] << 7))
-    else:   # 3, 5, 6, 7: by pext where the CPU has it, else (or for none) shifts
-        ng = m // 8
-        if width == 3:
-            done = _pack_pext3(tmp, out, ng)
-        elif width == 5:
-            done = _pack_pext5(tmp, out, ng)
-        elif width == 6:
-            done = _pack_pext6(tmp, out, ng)
-        else:
-            done = _pack_pext7(tmp, out, ng)
-        if done < ng:
-            if width == 3:
-                _pack_groups(tmp, out, 3)
-            elif width == 5:
-                _pack_groups(tmp, out, 5)
-            elif width == 6:
-                _pack_groups(tmp, out, 6)
-            else:
-                _pack_groups(tmp, out, 7)
+    elif width == 3:
+        _pack_odd(tmp, out, 3)
+    elif width == 5:
+        _pack_odd(tmp, out, 5)
+    elif width == 6:
+        _pack_odd(tmp, out, 6)
+    else:
+        _pack_odd(tmp, out, 7)
     # the last partial group of 8 fields (only in the last chunk): bit by bit, zero padded
     start = (m // 8) * 8
     if width in (4, 2):
