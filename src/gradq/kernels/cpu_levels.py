@@ -3,8 +3,11 @@
 They reproduce, bit for bit, :func:`gradq.kernels.reference.orq_levels` / ``linear_levels`` (the
 plain-torch references, one bucket per row) followed by ``round_to_levels`` and ``pack_bits``:
 
-* **Sorting.** Each bucket is sorted as the reference sorts it by :mod:`gradq.kernels.cpu_sort`
-  (a bitonic network on 16-lane vectors, or a radix sort on the order-preserving integer keys).
+* **Sorting.** Each bucket is sorted as the reference sorts it: Linear's buckets of a power of two
+  from 16 to 512 values sixteen at a time, one a lane, by :mod:`gradq.kernels.cpu_sort_lanes`
+  (Linear reads its levels straight from the lanes); the others, ORQ's, and a bucket the lanes
+  cannot take, by :mod:`gradq.kernels.cpu_sort` (a bitonic network on 16-lane vectors, or a radix
+  sort on the order-preserving integer keys).
 * **ORQ rounds**, as the reference: segment ``j`` holds the sorted values ``g`` with
   ``lv_j ≤ g < lv_{j+1}`` (``searchsorted(right) − 1`` clamped, so the maximum joins the last one);
   its split is the value of rank ``max(⌈R/(B − A)⌉, 1)`` in the segment, ``R = Σ (B − G)``, with
@@ -25,8 +28,8 @@ thread count. (A ``prange`` kernel re-optimizes every callee inside its parallel
 than doubled the first-call compile time of this module.) :func:`run` works on borrowed views of its
 arrays and of one workspace (:func:`gradq.kernels.numba_common._borrowed`): numba counts references to
 every array passed to a function it does not inline and to every slice, and with owned arrays those
-atomic counts took about a fifth of the time, on one input shared by two threads. Each bucket is
-sorted in :func:`_levels_range`, where the sort and the levels are inlined, eight buckets a call.
+atomic counts took about a fifth of the time, on one input shared by two threads. Buckets are
+sorted in :func:`_levels_range`, where the sorts and the levels are inlined, sixteen buckets a call.
 
 Compiled code is cached in a directory keyed by the sources of every kernel module
 (:mod:`gradq.kernels.numba_cache`), so an edit of a helper in :mod:`gradq.kernels.cpu` recompiles
@@ -44,6 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row, _sorted_at
+from .cpu_sort_lanes import LANES_MAX, sort_lanes
 from .numba_common import (_borrowed, _fill_uniform, _ir_counters, _ir_splat, _ir_target_features, _ir_uniform,
                            _ir_vectors, _keep, _pack, _prefetch, _round_any, _run_end, _run_keys, _uniform)
 
@@ -244,7 +248,6 @@ def _orq_levels(srt, fix, m, rounds, lv, nlv, starts, nst, tots, ntot):
 
 
 # -- one bucket: sort, levels -------------------------------------------------------------------------
-_GROUP = 8   # buckets per levels-only task, and per step of the encode
 
 
 @_inline
@@ -257,19 +260,38 @@ def _aligned32(size):
 
 
 @_inline
+def _lanes_ok(mode, d):
+    """Whether buckets of ``d`` values go through :mod:`gradq.kernels.cpu_sort_lanes` sixteen at a
+    time: Linear's (``mode`` 1), ``d`` a power of two from 16 to ``LANES_MAX``."""
+    return mode == 1 and 16 <= d <= LANES_MAX and d & (d - 1) == 0
+
+
+@_inline
+def _group_size(mode, d):
+    """Buckets per levels-only task and per step of the encode: sixteen where they are sorted one a
+    lane, else eight (the encode sorts a group, then rounds it, while its input is in the L1 cache;
+    ORQ's encodes of 25M values ran 0–5 % slower in groups of sixteen)."""
+    return 16 if _lanes_ok(mode, d) else 8
+
+
+@_inline
 def _workspace(d, L):
     """Scratch for buckets of up to ``d`` values: the sort's buffer and output, the values in fixed
-    point, the next round's levels, the segment starts (twice) and the segments' totals (twice)."""
+    point, the next round's levels, the segment starts (twice) and the segments' totals (twice);
+    for :func:`_lanes_ok` buckets, the sixteen-lane network's vectors (room for 256 of them: its
+    strided passes touch 256 even in shorter rows)."""
     npad = _pad_size(d) if d <= _VSORT_MAX else d
+    nl = 16 * max(d, 256) if 16 <= d <= LANES_MAX else 16
     return (_aligned32(npad), _aligned32(npad), np.empty(npad, np.int64),
-            np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64))
+            np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64),
+            _aligned32(nl))
 
 
 @_inline
 def _borrowed_workspace(ws):
     """Views of :func:`_workspace`'s arrays that cost no reference counting (:func:`_borrowed`)."""
     return (_borrowed(ws[0]), _borrowed(ws[1]), _borrowed(ws[2]), _borrowed(ws[3]), _borrowed(ws[4]),
-            _borrowed(ws[5]), _borrowed(ws[6]))
+            _borrowed(ws[5]), _borrowed(ws[6]), _borrowed(ws[7]))
 
 
 @_inline
@@ -296,12 +318,32 @@ def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels
 @_func
 def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, out, ws):
     """Levels of buckets ``b0 … b1 − 1`` (``ws``: :func:`_workspace`); returns the OR of their flags.
-    The one place that sorts a bucket: the sort and the levels are inlined here, so the loop over
-    buckets makes no calls that count references."""
-    buf, srt, fix, nlv, starts, nst, tt = ws
+    The one place that sorts a bucket: the sorts and the levels are inlined here, so the loop over
+    buckets makes no calls that count references. For Linear, whole groups of sixteen
+    :func:`_lanes_ok` buckets are sorted together, one bucket a lane; a bucket the lanes cannot take
+    (a NaN, an infinity, zeros of both signs) and every other bucket is sorted on its own. (ORQ
+    needs each sorted row in order: transposing the lanes back and the larger working set cost what
+    the network saved, within the noise of 25M-value encodes.)"""
+    buf, srt, fix, nlv, starts, nst, tt, lt = ws
     flags = 0
-    for b in range(b0, b1):
-        flags |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
+    b = b0
+    if _lanes_ok(mode, bucket):
+        n = x.size
+        while b + 16 <= b1 and (b + 16) * bucket <= n:
+            bad = sort_lanes(x, b * bucket, bucket, lt)
+            for ln in range(16):
+                _prefetch(x, (b + 16 + ln) * bucket, min(n, (b + 17 + ln) * bucket))
+                if (bad >> ln) & 1:
+                    flags |= _bucket_levels(x, xi, b + ln, bucket, mode, L, rounds, pos_full, pos_tail, out, buf,
+                                            srt, fix, nlv, starts, nst, tt)
+                    if flags & _FLAG_NONFINITE:
+                        return flags
+                    continue
+                for i in range(L):   # Linear's positions, straight from the lanes
+                    out[(b + ln) * L + i] = lt[pos_full[i] * 16 + ln]
+            b += 16
+    for c in range(b, b1):
+        flags |= _bucket_levels(x, xi, c, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
                                 starts, nst, tt)
         if flags & _FLAG_NONFINITE:
             break
@@ -425,7 +467,7 @@ def _round_fast(xr, tr, lv, L, base, k2h):
 
 @_func
 def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws):
-    """Levels of the buckets of ``x[e0:e1]`` (whole buckets), eight buckets at a time, then the
+    """Levels of the buckets of ``x[e0:e1]`` (whole buckets), sixteen buckets at a time, then the
     rounding of their elements, then the packing of the chunk's indices. Returns the OR of the
     bucket flags. (Sorting and rounding bucket by bucket instead ran about 10 % slower: the two
     large loops then take turns in the instruction caches every 512 values.)"""
@@ -435,8 +477,9 @@ def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, wi
     tmp, ubuf = _borrowed(own[0]), _borrowed(own[1])
     fl = 0
     b1 = min(nb, (e1 + bucket - 1) // bucket)
-    for g0 in range(e0 // bucket, b1, _GROUP):
-        g1 = min(b1, g0 + _GROUP)
+    grp = _group_size(mode, bucket)
+    for g0 in range(e0 // bucket, b1, grp):
+        g1 = min(b1, g0 + grp)
         fl |= _levels_range(x, xi, g0, g1, mode, L, rounds, pos_full, pos_tail, bucket, levels, ws)
         if fl & _FLAG_NONFINITE:
             return fl
@@ -474,7 +517,7 @@ def run(task, t0, t1, x, xi, mode, L, rounds, pos_full, pos_tail, bucket, width,
       its buckets (into ``levels``), the stochastic rounding of its elements onto them
       (``u < (v − l_lo)/(l_hi − l_lo)`` picks the upper level) and the packed ``width``-bit indices
       (into ``out``);
-    * 1 — levels of every bucket, eight buckets per task (``bucket ≤ 8192``);
+    * 1 — levels of every bucket, sixteen buckets per task (``bucket ≤ 8192``);
     * 2 — levels of every bucket, one per task (long buckets).
 
     Tasks touch disjoint outputs, so the result does not depend on how ranges are spread. Returns
@@ -490,7 +533,7 @@ def run(task, t0, t1, x, xi, mode, L, rounds, pos_full, pos_tail, bucket, width,
             acc |= _encode_chunk(x, xi, t * chunk, min(n, (t + 1) * chunk), mode, L, rounds, pos_full,
                                  pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws)
         else:
-            per = _GROUP if task == 1 else 1
+            per = _group_size(mode, bucket) if task == 1 else 1
             nb = (n + bucket - 1) // bucket
             acc |= _levels_range(x, xi, t * per, min(nb, (t + 1) * per), mode, L, rounds, pos_full, pos_tail,
                                  bucket, levels, ws)
