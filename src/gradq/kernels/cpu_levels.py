@@ -326,24 +326,22 @@ def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, ou
     the network saved, within the noise of 25M-value encodes.)"""
     buf, srt, fix, nlv, starts, nst, tt, lt = ws
     flags = 0
-    b = b0
-    if _lanes_ok(mode, bucket):
-        n = x.size
-        while b + 16 <= b1 and (b + 16) * bucket <= n:
+    lanes = _lanes_ok(mode, bucket)
+    n = x.size
+    g0 = g1 = b0          # the buckets in the lanes now; `bad`: those of them to sort on their own
+    bad = 0
+    for b in range(b0, b1):
+        if lanes and b >= g1 and b + 16 <= b1 and (b + 16) * bucket <= n:
+            g0, g1 = b, b + 16
             bad = sort_lanes(x, b * bucket, bucket, lt)
-            for ln in range(16):
-                _prefetch(x, (b + 16 + ln) * bucket, min(n, (b + 17 + ln) * bucket))
-                if (bad >> ln) & 1:
-                    flags |= _bucket_levels(x, xi, b + ln, bucket, mode, L, rounds, pos_full, pos_tail, out, buf,
-                                            srt, fix, nlv, starts, nst, tt)
-                    if flags & _FLAG_NONFINITE:
-                        return flags
-                    continue
+        if b < g1:
+            _prefetch(x, (b + 16) * bucket, min(n, (b + 17) * bucket))
+            if not (bad >> (b - g0)) & 1:
                 for i in range(L):   # Linear's positions, straight from the lanes
-                    out[(b + ln) * L + i] = lt[pos_full[i] * 16 + ln]
-            b += 16
-    for c in range(b, b1):
-        flags |= _bucket_levels(x, xi, c, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
+                    out[b * L + i] = lt[pos_full[i] * 16 + (b - g0)]
+                continue
+        # one place for the row sort, so that it is compiled once
+        flags |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
                                 starts, nst, tt)
         if flags & _FLAG_NONFINITE:
             break
