@@ -106,8 +106,9 @@ def _network_masks(g):
     return out
 
 
-def _group_intrinsic(g, masks):
-    """Load vectors ``[i·g, (i+1)·g)``, apply the vertical stages ``masks``, store them back."""
+def _group_intrinsic(g, masks, stride=0):
+    """Load vectors ``[i·g, (i+1)·g)`` (with a ``stride``: vectors ``i + stride·t``, ``t < g``), apply
+    the vertical stages ``masks``, store them back."""
     @intrinsic
     def _impl(typingctx, buf, i):
         sig = types.void(buf, i)
@@ -115,9 +116,9 @@ def _group_intrinsic(g, masks):
         def codegen(context, builder, signature, args):
             i64 = ir.IntType(64)
             base = context.cast(builder, args[1], signature.args[1], types.intp)
-            first = builder.mul(base, ir.Constant(i64, g))
+            first = base if stride else builder.mul(base, ir.Constant(i64, g))
             ptr = _vec_ptr(context, builder, signature.args[0], args[0], first, types.intp)
-            ptrs = [builder.gep(ptr, [ir.Constant(i64, t)]) for t in range(g)]
+            ptrs = [builder.gep(ptr, [ir.Constant(i64, t * (stride or 1))]) for t in range(g)]
             regs = [builder.load(q, align=4) for q in ptrs]
             regs = _ir_vertical(regs, builder, masks)
             for q, r in zip(ptrs, regs):

@@ -30,7 +30,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_sort import _EXP, _NEG0, _group_finish, _group_sort, _ir_max, _ir_min, _ir_vertical
+from .cpu_sort import _EXP, _NEG0, _group_finish, _group_intrinsic, _group_sort, _ir_max, _ir_min
 from .numba_common import _ir_transpose
 
 _W = 16
@@ -118,30 +118,9 @@ def _mirror_blocks(typingctx, T, a, b):
     return sig, codegen
 
 
-def _strided_intrinsic(top):
-    """Vectors ``f + 16u`` (``u < 16``): the vertical stages at ``u``-distances ``top, …, 2, 1``."""
-    masks = [top >> s for s in range(top.bit_length())]
-
-    @intrinsic
-    def _impl(typingctx, T, f):
-        sig = types.void(T, f)
-
-        def codegen(context, builder, signature, args):
-            i64 = ir.IntType(64)
-            first = context.cast(builder, args[1], signature.args[1], types.intp)
-            ptrs = _vec_ptrs(context, builder, signature.args[0], args[0],
-                             [builder.add(first, ir.Constant(i64, _W * u)) for u in range(_W)])
-            regs = _ir_vertical([builder.load(q, align=64) for q in ptrs], builder, masks)
-            for q, r in zip(ptrs, regs):
-                builder.store(r, q, align=64)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return _impl
-
-
-_strided1, _strided2, _strided4, _strided8 = (_strided_intrinsic(t) for t in (1, 2, 4, 8))
+# vectors ``f + 16u`` (``u < 16``): the vertical stages at ``u``-distances ``top, …, 2, 1``
+_strided1, _strided2, _strided4, _strided8 = (_group_intrinsic(_W, [t >> s for s in range(t.bit_length())], _W)
+                                              for t in (1, 2, 4, 8))
 
 
 @_inline
