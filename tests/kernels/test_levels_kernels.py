@@ -226,15 +226,16 @@ def test_argument_errors():
             KL.linear_encode(y, 5, 10, 3, 0)
 
 
-# -- sixteen buckets at a time, one a lane (cpu_sort_lanes) -----------------------------------------
+# -- sixteen buckets at a time, one a lane (cpu_sort_lanes, cpu_orq_lanes) ---------------------------
 @pytest.mark.parametrize("bucket", [16, 32, 64, 128, 256, 512])
-@pytest.mark.parametrize("kind,L", [("linear", 3), ("linear", 5), ("linear", 17), ("linear", 129)])
+@pytest.mark.parametrize("kind,L", [("linear", 3), ("linear", 5), ("linear", 17), ("linear", 129),
+                                    ("orq", 2), ("orq", 3), ("orq", 5), ("orq", 9), ("orq", 17)])
 def test_buckets_sorted_sixteen_a_lane_match_reference(kind, L, bucket):
-    """Linear's buckets of a power of two from 16 to 512 values are sorted sixteen at a time, one a
-    lane: two whole groups, a partial one and a short last bucket; in a group, buckets that hold
-    zeros of both signs (here 3 and 20, and many in the tied and mixed data) are sorted on their
-    own. Levels and encode equal the reference's bit for bit (129 levels read most positions of the
-    shorter buckets)."""
+    """Buckets of a power of two from 16 to 512 values are sorted sixteen at a time, one a lane, and
+    their levels come from the lanes (Linear's positions, ORQ's rounds): two whole groups, a partial
+    one and a short last bucket; in a group, buckets that hold zeros of both signs (here 3 and 20,
+    and many in the tied and mixed data) are sorted on their own. Levels and encode equal the
+    reference's bit for bit (129 levels read most positions of the shorter buckets)."""
     width = (L - 1).bit_length()
     n = 37 * bucket + 5
     for variant in (2, 0, 1):
@@ -252,17 +253,55 @@ def test_buckets_sorted_sixteen_a_lane_match_reference(kind, L, bucket):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_value_in_a_lane_group_is_refused(bad):
     """A NaN or infinity in any bucket of a group sorted sixteen at a time (first, middle or last
-    lane, first or last position) raises, from the levels and from the encode."""
+    lane, first or last position) raises, from the levels and from the encode, Linear's and ORQ's."""
     bucket = 64
     x = data(40 * bucket, 9, 2)
     for b in (0, 7, 15, 16, 31):
         for p in (0, bucket - 1):
             y = x.clone()
             y[b * bucket + p] = bad
-            with pytest.raises(ValueError):
-                KL.linear_levels(y, 5, bucket)
-            with pytest.raises(ValueError):
-                KL.linear_encode(y, 9, bucket, 4, 0)
+            for levels, encode in ((KL.linear_levels, KL.linear_encode), (KL.orq_levels, KL.orq_encode)):
+                with pytest.raises(ValueError):
+                    levels(y, 5, bucket)
+                with pytest.raises(ValueError):
+                    encode(y, 9, bucket, 4, 0)
+
+
+def _lane_rows(kind: str, n: int, bucket: int, g: torch.Generator) -> torch.Tensor:
+    """Whole buckets of one kind for :func:`test_orq_rounds_on_the_lanes_match_reference`."""
+    if kind == "wide":          # magnitudes from 1e-30 to 1e30 in one bucket
+        return torch.randn(n, generator=g) * 10.0 ** (60 * torch.rand(n, generator=g) - 30)
+    if kind == "huge":          # near the float32 maximum: the fixed point's shift is at its lowest
+        return (2 * torch.rand(n, generator=g) - 1) * 3.4e38
+    if kind == "denormal":      # every value denormal: the shift at its highest
+        return torch.randn(n, generator=g) * 1e-40
+    if kind == "two":           # two values: every split is a midpoint or a copy of one of them
+        return torch.tensor([-1.0, 2.0])[torch.randint(0, 2, (n,), generator=g)]
+    if kind == "few":           # five values: long runs of copies at the splits
+        return torch.randn(5, generator=g)[torch.randint(0, 5, (n,), generator=g)]
+    if kind == "sparse":        # mostly +0.0 (one sign of zero: the lanes keep these buckets)
+        x = torch.randn(n, generator=g)
+        return torch.where(torch.rand(n, generator=g) < 0.8, torch.zeros(n), x)
+    if kind == "constant":      # one value a bucket; at ±1e-45 the midpoint 0.5·a + 0.5·a rounds past a
+        vals = torch.tensor([0.375, 1e-45, -1e-45, 0.0, -2.5e38])
+        return vals[torch.arange(n // bucket) % vals.numel()].repeat_interleave(bucket)
+    x = torch.randn(n, generator=g).view(-1, bucket)   # "sorted": buckets in order, then reversed
+    half = x.shape[0] // 2
+    return torch.cat([x[:half].sort(dim=1).values, x[half:].sort(dim=1, descending=True).values]).reshape(-1)
+
+
+@pytest.mark.parametrize("bucket", [16, 128, 512])
+@pytest.mark.parametrize("L", [3, 5, 9, 17])
+def test_orq_rounds_on_the_lanes_match_reference(bucket, L):
+    """ORQ's rounds on sixteen sorted lanes (``cpu_orq_lanes``: prefix sums in fixed point, binary
+    searches with gathers that run only where a bucket's neighbours do not settle a bound) give the
+    reference's levels bit for bit on data that drives every branch: copies of a level at a split,
+    empty segments and midpoints, the fixed point's extreme shifts, values already in order. Two
+    groups of sixteen buckets per kind, no short bucket (every bucket goes through the lanes)."""
+    g = torch.Generator().manual_seed(1000 * L + bucket)
+    for kind in ("wide", "huge", "denormal", "two", "few", "sparse", "constant", "sorted"):
+        x = _lane_rows(kind, 32 * bucket, bucket, g)
+        assert torch.equal(bits(KL.orq_levels(x, L, bucket)), bits(ref_levels("orq", x, bucket, L))), kind
 
 
 # -- what the sort's copy sees: 16 values at a time, then the bucket's tail --------------------------

@@ -3,15 +3,16 @@
 They reproduce, bit for bit, :func:`gradq.kernels.reference.orq_levels` / ``linear_levels`` (the
 plain-torch references, one bucket per row) followed by ``round_to_levels`` and ``pack_bits``:
 
-* **Sorting.** Each bucket is sorted as the reference sorts it: Linear's buckets of a power of two
-  from 16 to 512 values sixteen at a time, one a lane, by :mod:`gradq.kernels.cpu_sort_lanes`
-  (Linear reads its levels straight from the lanes); the others, ORQ's, and a bucket the lanes
+* **Sorting.** Each bucket is sorted as the reference sorts it: buckets of a power of two from 16
+  to 512 values sixteen at a time, one a lane, by :mod:`gradq.kernels.cpu_sort_lanes`, and their
+  levels read from the lanes (Linear's positions; ORQ's rounds by
+  :mod:`gradq.kernels.cpu_orq_lanes`, sixteen buckets a step); the others, and a bucket the lanes
   cannot take, by :mod:`gradq.kernels.cpu_sort` (a bitonic network on 16-lane vectors, or a radix
-  sort on the order-preserving integer keys).
-* **ORQ rounds**, as the reference: segment ``j`` holds the sorted values ``g`` with
-  ``lv_j ≤ g < lv_{j+1}`` (``searchsorted(right) − 1`` clamped, so the maximum joins the last one);
-  its split is the value of rank ``max(⌈R/(B − A)⌉, 1)`` in the segment, ``R = Σ (B − G)``, with
-  every value in fixed point (``G = ⌊g·2^sh⌋``, int64, exact and in any order), moved up past the
+  sort on the order-preserving integer keys), one bucket at a time.
+* **ORQ rounds**, as the reference (for one sorted row here; the lanes follow the same rules):
+  segment ``j`` holds the sorted values ``g`` with ``lv_j ≤ g < lv_{j+1}`` (``searchsorted(right)
+  − 1`` clamped, so the maximum joins the last one); its split is the value of rank ``max(⌈R/(B −
+  A)⌉, 1)`` in the segment, ``R = Σ (B − G)``, with every value in fixed point (``G = ⌊g·2^sh⌋``, int64, exact and in any order), moved up past the
   values equal to ``a``; where that reaches the values equal to ``b``, or the segment is empty,
   ``minimum(maximum(0.5·a + 0.5·b, a), b)`` in float32 (ties to the first argument, as torch's
   scalar loop for ``L ≤ 17``). A split's value starts the next round's segment at its first copy.
@@ -19,7 +20,8 @@ plain-torch references, one bucket per row) followed by ``round_to_levels`` and 
 * **Rounding**: ``hi`` = number of ``lv[0 … L−2]`` below ``v``, ``lo = max(hi − 1, 0)``,
   ``p = (v − lv[lo]) / (lv[hi] − lv[lo])`` (0 for a zero gap), index ``hi if u < p else lo``, with
   ``u`` the uniform of counter ``ctr0 + i`` (the random-number IR of :mod:`gradq.kernels.cpu`),
-  then :mod:`gradq.kernels.cpu`'s packing.
+  then :mod:`gradq.kernels.cpu`'s packing. The rounding asks for the next group's input one cache
+  line a step (where a group's lines asked for in bursts had waited for the core's fill buffers).
 
 Parallelism: :func:`run` processes a range of independent tasks (chunks of whole buckets, a
 multiple of 8 elements so that every chunk starts on a byte, or groups of buckets) with the GIL
@@ -46,9 +48,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu_orq_lanes import MAX_LEVELS, orq_lanes
 from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row, _sorted_at
 from .cpu_sort_lanes import LANES_MAX, sort_lanes
-from .numba_common import (_borrowed, _fill_uniform, _ir_counters, _ir_splat, _ir_target_features, _ir_uniform,
+from .numba_common import (_borrowed, _fill_uniform, _ir_counters, _ir_prefetch, _ir_splat, _ir_target_features,
+                           _ir_uniform,
                            _ir_vectors, _keep, _pack, _prefetch, _round_any, _run_end, _run_keys, _uniform)
 
 _HALF = np.float32(0.5)
@@ -260,38 +264,45 @@ def _aligned32(size):
 
 
 @_inline
-def _lanes_ok(mode, d):
+def _lanes_ok(mode, d, L):
     """Whether buckets of ``d`` values go through :mod:`gradq.kernels.cpu_sort_lanes` sixteen at a
-    time: Linear's (``mode`` 1), ``d`` a power of two from 16 to ``LANES_MAX``."""
-    return mode == 1 and 16 <= d <= LANES_MAX and d & (d - 1) == 0
+    time: ``d`` a power of two from 16 to ``LANES_MAX``, for Linear (``mode`` 1) or for ORQ with at
+    most :data:`cpu_orq_lanes.MAX_LEVELS` levels."""
+    return 16 <= d <= LANES_MAX and d & (d - 1) == 0 and (mode == 1 or L <= MAX_LEVELS)
 
 
 @_inline
-def _group_size(mode, d):
+def _group_size(mode, d, L):
     """Buckets per levels-only task and per step of the encode: sixteen where they are sorted one a
     lane, else eight (the encode sorts a group, then rounds it, while its input is in the L1 cache;
-    ORQ's encodes of 25M values ran 0–5 % slower in groups of sixteen)."""
-    return 16 if _lanes_ok(mode, d) else 8
+    ORQ's encodes of 25M values through the row sort ran 0–5 % slower in groups of sixteen)."""
+    return 16 if _lanes_ok(mode, d, L) else 8
 
 
 @_inline
 def _workspace(d, L):
     """Scratch for buckets of up to ``d`` values: the sort's buffer and output, the values in fixed
     point, the next round's levels, the segment starts (twice) and the segments' totals (twice);
-    for :func:`_lanes_ok` buckets, the sixteen-lane network's vectors (room for 256 of them: its
-    strided passes touch 256 even in shorter rows)."""
+    for buckets of up to :data:`LANES_MAX`, the sixteen-lane network's vectors (room for 256 of
+    them: its strided passes touch 256 even in shorter rows) and the state of ORQ's rounds on the
+    lanes (:func:`cpu_orq_lanes.orq_lanes`: the prefix sums, the scales, the levels and segment
+    starts, twice)."""
     npad = _pad_size(d) if d <= _VSORT_MAX else d
-    nl = 16 * max(d, 256) if 16 <= d <= LANES_MAX else 16
+    lanes = 16 <= d <= LANES_MAX
+    nl = 16 * max(d, 256) if lanes else 16
+    nps = 16 * (d + 1) if lanes else 16
     return (_aligned32(npad), _aligned32(npad), np.empty(npad, np.int64),
             np.empty(L, np.float32), np.empty(L, np.int64), np.empty(L, np.int64), np.empty((2, L), np.int64),
-            _aligned32(nl))
+            _aligned32(nl), np.empty(nps, np.int64), np.empty(16, np.float64),
+            np.empty((2, 16 * MAX_LEVELS), np.float32), np.empty((2, 16 * MAX_LEVELS), np.int32))
 
 
 @_inline
 def _borrowed_workspace(ws):
     """Views of :func:`_workspace`'s arrays that cost no reference counting (:func:`_borrowed`)."""
     return (_borrowed(ws[0]), _borrowed(ws[1]), _borrowed(ws[2]), _borrowed(ws[3]), _borrowed(ws[4]),
-            _borrowed(ws[5]), _borrowed(ws[6]), _borrowed(ws[7]))
+            _borrowed(ws[5]), _borrowed(ws[6]), _borrowed(ws[7]), _borrowed(ws[8]), _borrowed(ws[9]),
+            _borrowed(ws[10]), _borrowed(ws[11]))
 
 
 @_inline
@@ -316,17 +327,16 @@ def _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, levels
 
 
 @_func
-def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, out, ws):
+def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, out, ws, ahead):
     """Levels of buckets ``b0 … b1 − 1`` (``ws``: :func:`_workspace`); returns the OR of their flags.
     The one place that sorts a bucket: the sorts and the levels are inlined here, so the loop over
-    buckets makes no calls that count references. For Linear, whole groups of sixteen
-    :func:`_lanes_ok` buckets are sorted together, one bucket a lane; a bucket the lanes cannot take
-    (a NaN, an infinity, zeros of both signs) and every other bucket is sorted on its own. (ORQ
-    needs each sorted row in order: transposing the lanes back and the larger working set cost what
-    the network saved, within the noise of 25M-value encodes.)"""
-    buf, srt, fix, nlv, starts, nst, tt, lt = ws
+    buckets makes no calls that count references. Whole groups of sixteen :func:`_lanes_ok` buckets
+    are sorted together, one bucket a lane, and their levels come from the lanes (Linear's
+    positions; ORQ's rounds, :func:`cpu_orq_lanes.orq_lanes`); a bucket the lanes cannot take (a
+    NaN, an infinity, zeros of both signs) and every other bucket is sorted on its own."""
+    buf, srt, fix, nlv, starts, nst, tt, lt, ps, p2, olv, ost = ws
     flags = 0
-    lanes = _lanes_ok(mode, bucket)
+    lanes = _lanes_ok(mode, bucket, L)
     n = x.size
     g0 = g1 = b0          # the buckets in the lanes now; `bad`: those of them to sort on their own
     bad = 0
@@ -334,11 +344,18 @@ def _levels_range(x, xi, b0, b1, mode, L, rounds, pos_full, pos_tail, bucket, ou
         if lanes and b >= g1 and b + 16 <= b1 and (b + 16) * bucket <= n:
             g0, g1 = b, b + 16
             bad = sort_lanes(x, b * bucket, bucket, lt)
+            if mode == 0:
+                orq_lanes(lt, bucket, rounds, ps, p2, olv[0], ost[0], olv[1], ost[1])
         if b < g1:
-            _prefetch(x, (b + 16) * bucket, min(n, (b + 17) * bucket))
+            if ahead:
+                _prefetch(x, (b + 16) * bucket, min(n, (b + 17) * bucket))
             if not (bad >> (b - g0)) & 1:
-                for i in range(L):   # Linear's positions, straight from the lanes
-                    out[b * L + i] = lt[pos_full[i] * 16 + (b - g0)]
+                if mode == 1:
+                    for i in range(L):   # Linear's positions, straight from the lanes
+                        out[b * L + i] = lt[pos_full[i] * 16 + (b - g0)]
+                else:
+                    for i in range(L):
+                        out[b * L + i] = olv[0, i * 16 + (b - g0)]
                 continue
         # one place for the row sort, so that it is compiled once
         flags |= _bucket_levels(x, xi, b, bucket, mode, L, rounds, pos_full, pos_tail, out, buf, srt, fix, nlv,
@@ -379,10 +396,13 @@ def _round_intrinsic(L):
     """Level indices of ``16·nvec`` values onto the sorted ``lv[:L]``, as ``round_to_levels``:
     ``hi`` = number of ``lv[0 … L−2]`` below ``v`` (torch.searchsorted on a sorted row, clamped),
     ``lo = max(hi − 1, 0)``, ``p = (v − lv[lo]) / (lv[hi] − lv[lo])`` (0 for a zero gap), index
-    ``hi if u < p else lo`` with ``u`` the uniform of the element's counter."""
+    ``hi if u < p else lo`` with ``u`` the uniform of the element's counter. Each step also asks for
+    the cache line ``ahead`` elements further on (the input of the next group of buckets): one line
+    a step keeps the misses in flight few, where a bucket's 32 lines asked at once waited for the
+    core's fill buffers."""
     @intrinsic
-    def _impl(typingctx, xs, ts, nvec, lv, base, k2h):
-        sig = types.void(xs, ts, nvec, lv, types.uint32, types.uint32)
+    def _impl(typingctx, xs, ts, nvec, lv, base, k2h, ahead):
+        sig = types.void(xs, ts, nvec, lv, types.uint32, types.uint32, types.intp)
 
         def codegen(context, builder, signature, args):
             xptr = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -402,6 +422,7 @@ def _round_intrinsic(L):
             with cgutils.for_range(builder, count) as loop:
                 off = builder.mul(loop.index, ir.Constant(loop.index.type, _W))
                 v = builder.load(builder.bitcast(builder.gep(xptr, [off]), vf.as_pointer()), align=4)
+                _ir_prefetch(builder, builder.gep(xptr, [builder.add(off, args[6])]))
                 h = builder.load(state)
                 u = _ir_uniform(builder, h, kv, const, vf, inv24)
                 # levels are sorted: the last j with lv[j] < v gives hi = j + 1, lv[lo] = lv[j] and
@@ -449,22 +470,24 @@ def _round_tail(xr, tr, lv, L, i0, base, k2h):
 
 
 @_inline
-def _round_fast(xr, tr, lv, L, base, k2h):
-    """Level indices of the run ``xr`` (counters from ``base``) onto sorted ``lv``, L in 3/5/9/17."""
+def _round_fast(xr, tr, lv, L, base, k2h, ahead):
+    """Level indices of the run ``xr`` (counters from ``base``) onto sorted ``lv``, L in 3/5/9/17,
+    asking for the input ``ahead`` elements on as it goes."""
     full = xr.size // _W
     if L == 3:
-        _round3(xr, tr, full, lv, base, k2h)
+        _round3(xr, tr, full, lv, base, k2h, ahead)
     elif L == 5:
-        _round5(xr, tr, full, lv, base, k2h)
+        _round5(xr, tr, full, lv, base, k2h, ahead)
     elif L == 9:
-        _round9(xr, tr, full, lv, base, k2h)
+        _round9(xr, tr, full, lv, base, k2h, ahead)
     else:
-        _round17(xr, tr, full, lv, base, k2h)
+        _round17(xr, tr, full, lv, base, k2h, ahead)
     _round_tail(xr, tr, lv, L, full * _W, base, k2h)
 
 
 @_func
-def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws):
+def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws,
+                  ahead):
     """Levels of the buckets of ``x[e0:e1]`` (whole buckets), sixteen buckets at a time, then the
     rounding of their elements, then the packing of the chunk's indices. Returns the OR of the
     bucket flags. (Sorting and rounding bucket by bucket instead ran about 10 % slower: the two
@@ -475,10 +498,10 @@ def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, wi
     tmp, ubuf = _borrowed(own[0]), _borrowed(own[1])
     fl = 0
     b1 = min(nb, (e1 + bucket - 1) // bucket)
-    grp = _group_size(mode, bucket)
+    grp = _group_size(mode, bucket, L)
     for g0 in range(e0 // bucket, b1, grp):
         g1 = min(b1, g0 + grp)
-        fl |= _levels_range(x, xi, g0, g1, mode, L, rounds, pos_full, pos_tail, bucket, levels, ws)
+        fl |= _levels_range(x, xi, g0, g1, mode, L, rounds, pos_full, pos_tail, bucket, levels, ws, ahead)
         if fl & _FLAG_NONFINITE:
             return fl
         for b in range(g0, g1):
@@ -495,11 +518,12 @@ def _encode_chunk(x, xi, e0, e1, mode, L, rounds, pos_full, pos_tail, bucket, wi
                     e = min(e, p + ubuf.size)
                 base, k2h = _run_keys(ctr0 + p, k1, k2)
                 if fast:
-                    _round_fast(x[p:e], tmp[p - e0:e - e0], lv, L, base, k2h)
+                    _round_fast(x[p:e], tmp[p - e0:e - e0], lv, L, base, k2h, grp * bucket)
                 else:
                     u = ubuf[:e - p]
                     _fill_uniform(u, base, k2h)
                     _round_any(x[p:e], tmp[p - e0:e - e0], u, lv, L)
+                    _prefetch(x, p + grp * bucket, min(n, e + grp * bucket))
                 p = e
     _pack(tmp, width, out[(e0 * width) // 8:])
     _keep(own)
@@ -526,14 +550,18 @@ def run(task, t0, t1, x, xi, mode, L, rounds, pos_full, pos_tail, bucket, width,
     own = _workspace(bucket, L)
     ws = _borrowed_workspace(own)
     acc = 0
+    # who asks for the next group of buckets: a levels-only task while it stores the levels of the
+    # lanes, the encode while it rounds (a runtime flag: a literal one would compile the level
+    # loop twice)
+    ahead = task != 0
     for t in range(t0, t1):
         if task == 0:
             acc |= _encode_chunk(x, xi, t * chunk, min(n, (t + 1) * chunk), mode, L, rounds, pos_full,
-                                 pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws)
+                                 pos_tail, bucket, width, k1, k2, ctr0, levels, out, ws, ahead)
         else:
-            per = _group_size(mode, bucket) if task == 1 else 1
+            per = _group_size(mode, bucket, L) if task == 1 else 1
             nb = (n + bucket - 1) // bucket
             acc |= _levels_range(x, xi, t * per, min(nb, (t + 1) * per), mode, L, rounds, pos_full, pos_tail,
-                                 bucket, levels, ws)
+                                 bucket, levels, ws, ahead)
     _keep(own)
     return acc

@@ -1,5 +1,6 @@
-"""Numba CPU sort of sixteen buckets at once, one bucket a lane: the first stage of Linear's levels
-(:mod:`gradq.kernels.cpu_levels`) for buckets of 16 to 512 values, a power of two.
+"""Numba CPU sort of sixteen buckets at once, one bucket a lane: the first stage of Linear's and ORQ's
+levels (:mod:`gradq.kernels.cpu_levels`, :mod:`gradq.kernels.cpu_orq_lanes`) for buckets of 16 to
+512 values, a power of two.
 
 :mod:`gradq.kernels.cpu_sort` sorts one bucket in 16-lane vectors, so half of its network's stages
 cross lanes (a shuffle each, on the one port that runs them) and the sorted row is transposed at the

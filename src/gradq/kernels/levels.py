@@ -147,7 +147,7 @@ def _levels(x, L, bucket, mode, matrix_ok=True) -> torch.Tensor:
     if nb:
         rounds = (L - 1).bit_length() - 1 if mode == 0 else 0
         task = 1 if d <= _FUSED_MAX else 2
-        group = _mod()._group_size(mode, d)    # buckets per task 1
+        group = _mod()._group_size(mode, d, L)    # buckets per task 1
         ntask = (nb + group - 1) // group if task == 1 else nb
         _check_flags(_run(ntask, xv.size, task, xv, xv.view(np.int32), mode, L, rounds, pos_full, pos_tail, d, 1,
                           0, 0, 0, 1, res.view(-1).numpy(), _NO_BYTES))

@@ -144,17 +144,22 @@ def _keep(typingctx, arr):
     return types.void(arr), lambda context, builder, signature, args: context.get_dummy_value()
 
 
+def _ir_prefetch(builder, ptr):
+    """Ask for the cache line at ``ptr`` (a hint: it never faults, even past the end of an array)."""
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def _prefetch_line(typingctx, arr, i):
     """Ask for the cache line holding ``arr[i]`` (a hint: it never faults, even past the end)."""
     sig = types.void(arr, types.intp)
 
     def codegen(context, builder, signature, args):
-        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, args[0]).data, [args[1]])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _ir_prefetch(builder, builder.gep(context.make_array(signature.args[0])(context, builder, args[0]).data,
+                                          [args[1]]))
         return context.get_dummy_value()
 
     return sig, codegen
