@@ -263,3 +263,36 @@ def test_cuda_matches_cpu():
         a, b = q.encode(x, seed=1), q.encode(x.cuda(), seed=1)
         assert torch.equal(a.to_bytes(), b.to_bytes().cpu())
         assert torch.equal(q.decode(a), q.decode(b).cpu())
+
+
+# -- decode into a caller's buffer ---------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randk:ratio=0.05", "randk:ratio=0.05,rescale=1",
+                                  "randk-maxnorm:ratio=0.05,bits=4", "randk-multiscale:ratio=0.05,bits=2+6"])
+def test_sparse_decode_writes_zeros_and_the_kept_values_into_out(spec):
+    """decode(p, out=t) into a buffer full of NaN: every unselected coordinate becomes 0, the kept
+    ones hold the decode's values, and nothing input-sized is allocated on the way (the buffer is
+    written in place: the kept values are at most K of n)."""
+    q = gradq.build(spec)
+    x = _vec(5000, 3)
+    p = q.encode(x, seed=11, shared_seed=99) if q.needs_shared_seed else q.encode(x, seed=11)
+    want = q.decode(p)
+    out = torch.full((5000,), float("nan"))
+    assert q.decode(p, out=out) is out
+    assert torch.equal(out, want)
+    kept = q.num_selected(5000) if hasattr(q, "num_selected") else q.count(5000)
+    assert 0 < int((out != 0).sum()) <= kept
+
+
+def test_a_corrupt_topk_payload_leaves_out_untouched():
+    """An index out of range or out of order is refused before the caller's buffer is written."""
+    q = gradq.build("topk:ratio=0.05")
+    p = q.encode(_vec(1000, 4), seed=0)
+    for bad in (1000, -1):
+        fields = dict(p.fields)
+        idx = fields["indices"].clone()
+        idx[3] = bad
+        fields["indices"] = idx
+        out = torch.full((1000,), 7.0)
+        with pytest.raises(gradq.PayloadError):
+            q.decode(Payload(p.spec, p.shape, p.dtype, p.numel, fields), out=out)
+        assert bool((out == 7.0).all()), bad

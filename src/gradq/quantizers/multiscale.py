@@ -219,11 +219,16 @@ class _GlobalRandK(SummableQuantizer):
     def _select(self, v: torch.Tensor, shared_seed: Optional[int]) -> torch.Tensor:
         return v[self.coordinates(v.numel(), self._need_seed(shared_seed), v.device)]
 
-    def _scatter(self, sub: torch.Tensor, numel: int, shared_seed: int) -> torch.Tensor:
-        idx = self.coordinates(numel, shared_seed, sub.device)
-        out = torch.zeros(numel, dtype=torch.float32, device=sub.device)
+    def _scatter(self, sub: torch.Tensor, numel: int, shared_seed: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decoded selected entries ``sub`` at their coordinates, zeros elsewhere, in ``out`` (a
+        flat float32 tensor) or a new tensor."""
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32, device=sub.device)
+        idx = self.coordinates(numel, shared_seed, out.device)
+        out.zero_()
         if idx.numel():
-            out[idx] = sub * (numel / idx.numel()) if self.rescale else sub
+            out[idx] = (sub * (numel / idx.numel()) if self.rescale else sub).to(out.device)
         return out
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
@@ -238,10 +243,20 @@ class _GlobalRandK(SummableQuantizer):
         return {"seed": seed_field, **self.inner._encode(self._select(v, seed), ctx)}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        return self._decode_selected(fields, numel, None)
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        self._decode_selected(fields, numel, out)
+        return True
+
+    def _decode_selected(self, fields: Mapping[str, torch.Tensor], numel: int,
+                         out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The inner scheme's decode of the ``K`` selected entries (checked before ``out`` is
+        touched), scattered into ``out`` or a new tensor."""
         seed = int(fields["seed"].reshape(-1)[0])
         k = self.num_selected(numel)
         sub = self.inner._decode({f: t for f, t in fields.items() if f != "seed"}, k)
-        return self._scatter(sub, numel, seed)
+        return self._scatter(sub, numel, seed, out)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:

@@ -142,6 +142,12 @@ class TopK(_Sparse):
         return {"values": v[idx].contiguous(), "indices": idx.to(self.index_dtype(n))}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=fields["values"].device)
+        self._decode_into(fields, numel, out)
+        return out
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        """Zeros and the kept values straight into ``out`` (checked before ``out`` is touched)."""
         values, idx = fields["values"], fields["indices"].to(torch.int64)
         if idx.numel():
             lo, hi = int(idx.min()), int(idx.max())
@@ -150,9 +156,9 @@ class TopK(_Sparse):
                                    f"(min {lo}, max {hi}); corrupt payload")
             if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
                 raise PayloadError(f"{self.name}: payload indices are not strictly increasing; corrupt payload")
-        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-        out[idx.to(values.device)] = values.to(torch.float32)
-        return out
+        out.zero_()
+        out[idx.to(out.device)] = values.to(device=out.device, dtype=torch.float32)
+        return True
 
 
 @register("randk")
@@ -192,12 +198,18 @@ class RandK(_Sparse):
         return {"values": v[idx].contiguous(), "seed": seed}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        values = fields["values"].to(torch.float32)
+        out = torch.empty(numel, dtype=torch.float32, device=fields["values"].device)
+        self._decode_into(fields, numel, out)
+        return out
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        """Zeros and the kept values straight into ``out``."""
+        values = fields["values"].to(device=out.device, dtype=torch.float32)
         kk = values.numel()
         seed = int(fields["seed"].reshape(-1)[0].item()) & _U64
-        idx = shared_random_indices(numel, kk, seed, values.device)
-        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        idx = shared_random_indices(numel, kk, seed, out.device)
         if self.rescale and kk:
             values = values * (numel / kk)
+        out.zero_()
         out[idx] = values
-        return out
+        return True
