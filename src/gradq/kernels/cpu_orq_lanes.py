@@ -2,7 +2,7 @@
 sorted lanes of :func:`gradq.kernels.cpu_sort_lanes.sort_lanes` (``T[p]`` lane ``l`` = element ``p``
 of bucket ``l`` in sorted order).
 
-It gives the levels of :func:`gradq.kernels.cpu_levels._orq_levels` (and so of the reference's
+It gives the levels of :func:`gradq.kernels.cpu_orq_rows._orq_levels` (and so of the reference's
 ``orq_levels``) bit for bit, with the same rules:
 
 * every value in fixed point, ``G = ⌊g·2^sh⌋`` (int64, exact, ``sh`` from the lane's largest
@@ -85,7 +85,7 @@ class _IR:
 def _search(g, T, lo, hi, v, right_of, steps):
     """Per lane, the first position in ``[lo, hi)`` of the sorted lane that is not ``right_of`` ``v``
     (``right_of(t, v)``: the value ``t`` lies before the answer), by ``steps`` halvings (enough for
-    ``hi − lo ≤ 2^steps``) and a last look, as :func:`cpu_levels._lower_bound`."""
+    ``hi − lo ≤ 2^steps``) and a last look, as :func:`cpu_orq_rows._lower_bound`."""
     b = g.b
     lo_a = cgutils.alloca_once_value(b, lo)
     n_a = cgutils.alloca_once_value(b, b.sub(hi, lo))
@@ -127,7 +127,7 @@ def _fixed(g, v, p2):
 @intrinsic
 def _prefix(typingctx, T, m, lg, PS, P2):
     """``P2`` = each lane's ``2^sh`` (``sh = 61 − E − lg``, ``E = max(e, 1) − 126`` for the float32
-    exponent field ``e`` of its largest magnitude, as ``cpu_levels._orq_scale``), and ``PS[p]`` (``p ≤
+    exponent field ``e`` of its largest magnitude, as ``cpu_orq_rows._orq_scale``), and ``PS[p]`` (``p ≤
     m``) = the sum of the lane's first ``p`` values in fixed point (:func:`_fixed`)."""
     sig = types.void(T, m, lg, PS, P2)
 
