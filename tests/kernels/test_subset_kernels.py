@@ -41,3 +41,35 @@ def test_dispatch_and_errors():
     for bad in (-1, 11):
         with pytest.raises(ValueError, match="cannot choose"):
             numba_ops.random_subset(10, bad, 0)
+
+
+def test_one_pass_of_candidates_decides_small_subsets(monkeypatch):
+    """For k up to about n/16 the candidates below the threshold decide the subset: the histogram
+    path is not needed (here it would raise)."""
+    def no_histogram(*args):
+        raise AssertionError("the histogram path ran")
+
+    monkeypatch.setattr(numba_ops, "_subset_by_histogram", no_histogram)
+    for n, k, seed in ((70_000, 1, 0), (300_001, 3_000, 7), (3_000_017, 30_000, -3), (1 << 20, 60_000, 5)):
+        assert torch.equal(numba_ops.random_subset(n, k, seed), reference.random_subset(n, k, seed))
+
+
+@pytest.mark.parametrize("patch", ["too_few", "no_room"])
+def test_candidates_that_cannot_decide_fall_back_to_the_histogram(monkeypatch, patch):
+    """Too few candidates (a threshold below the k-th draw) or a part's share past its room: the
+    histogram path gives the same subset."""
+    ran = []
+    real = numba_ops._subset_by_histogram
+
+    def histogram(*args):
+        ran.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(numba_ops, "_subset_by_histogram", histogram)
+    n, k, seed = 300_001, 3_000, 13
+    if patch == "too_few":
+        monkeypatch.setattr(numba_ops, "_candidate_limit", lambda n_, k_: (k_ // 2) * (1 << 32) // n_)
+    else:
+        monkeypatch.setattr(numba_ops, "_candidate_room", lambda per: 10)
+    assert torch.equal(numba_ops.random_subset(n, k, seed), reference.random_subset(n, k, seed))
+    assert ran

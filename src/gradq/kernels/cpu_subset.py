@@ -2,8 +2,13 @@
 (:func:`gradq.kernels.reference.random_subset`): the ``k`` coordinates of ``range(n)`` whose keys
 ``(bits32_i, i)`` are smallest, found by selection instead of a sort of ``n`` keys.
 
-``u_i = bits32_i ^ 2³¹`` orders as the signed draw does. One pass counts the top 16 bits of every
-``u_i`` per part of the vector; the bin ``T`` where the running count reaches ``k`` holds the boundary.
+``u_i = bits32_i ^ 2³¹`` orders as the signed draw does. For ``k`` up to about ``n/16`` one pass
+gathers the candidates, every ``(u_i, i)`` with ``u_i`` below a threshold set about ten standard
+deviations above the ``k``-th smallest draw's expected value, in index order per part of the vector
+(:func:`gather_below`); the caller takes the ``k`` smallest of those. Where the candidates are too few
+or a part's share overflows its room (about e⁻⁵⁰ for uniform draws), and for larger ``k``, the
+histogram path runs: one pass counts the top 16 bits of every ``u_i`` per part of the vector; the
+bin ``T`` where the running count reaches ``k`` holds the boundary.
 A second pass gathers that bin's ``(u_i, i)`` (about ``n/65536`` of them), whose ``r``-th smallest
 is the last key selected. A last pass writes every selected ``i`` in increasing order at its part's
 offset, so the output is sorted without sorting, and does not depend on the thread count. The random
@@ -75,3 +80,24 @@ def write_selected(n, base, k2h, part, top, ulast, ilast, offsets, out):
                 if hi < top or (hi == top and (u < ulast or (u == ulast and a + j <= ilast))):
                     out[o] = a + j
                     o += 1
+
+
+@_kernel
+def gather_below(n, base, k2h, part, limit, cap, keys, idx, counts):
+    """Part ``p``'s ``(u_i, i)`` with ``u_i < limit``, in index order, into ``keys``/``idx`` from
+    ``p·cap`` on (at most ``cap`` of them); ``counts[p]`` = how many there were (more than ``cap``:
+    the caller takes the histogram path)."""
+    for p in prange(counts.size):
+        o = p * cap
+        c = 0
+        buf = np.empty(_BLOCK, dtype=np.uint32)
+        end = min(n, (p + 1) * part)
+        for a in range(p * part, end, _BLOCK):
+            for j in range(_block(buf, a, end, base, k2h)):
+                u = buf[j]
+                if u < limit:
+                    if c < cap:
+                        keys[o + c] = u
+                        idx[o + c] = a + j
+                    c += 1
+        counts[p] = c
