@@ -64,9 +64,12 @@ class _IR:
         self.b.store(val, self.b.bitcast(p, val.type.as_pointer()), align=4)
 
     def gather(self, ptr, ety, vty, pos, mask, passthru):
-        """Lane ``l`` of the result: ``ptr[16·pos_l + l]`` where ``mask_l``, else ``passthru_l``."""
+        """Lane ``l`` of the result: ``ptr[16·pos_l + l]`` where ``mask_l``, else ``passthru_l``
+        (``llvm.masked.gather``: one AVX-512 gather, scalar loads on narrower machines)."""
         b = self.b
         idx = b.add(b.shl(pos, self.ci(4)), self.lane)
+        # a GEP with a vector of indices gives a vector of pointers, a type llvmlite's builder does
+        # not infer: the instruction is made with its element type and given that type by hand
         gep = ir.instructions.GEPInstr(b.block, ptr, [idx], inbounds=True, name="", source_etype=ety)
         gep.type = ir.VectorType(ety.as_pointer(), _W)
         b._insert(gep)
@@ -105,7 +108,8 @@ def _search(g, T, lo, hi, v, right_of, steps):
 
 
 def _settle(g, fast, need, slow):
-    """``fast`` where no lane ``need`` s more; else ``slow()`` (a search) where ``need``."""
+    """``fast``, unless some lane is flagged in ``need``: then ``slow()`` (a search over all
+    lanes) for the flagged lanes and ``fast`` for the others."""
     b = g.b
     res = cgutils.alloca_once_value(b, fast)
     with b.if_then(g.any(need), likely=False):
