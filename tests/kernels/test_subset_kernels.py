@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradq import kernels
-from gradq.kernels import numba_ops, reference
+from gradq.kernels import numba_ops, reference, subset
 from gradq.random import RandomStream
 
 pytestmark = pytest.mark.skipif(not numba_ops.loads(), reason="numba is not installed")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not numba_ops.loads(), reason="numba is not inst
                                  (300_001, 3_000), (1 << 20, 1 << 19), (3_000_017, 30_000)])
 @pytest.mark.parametrize("seed", [0, 7, -3, 2**63 - 1])
 def test_same_indices_as_reference(n, k, seed):
-    got = numba_ops.random_subset(n, k, seed)
+    got = subset.random_subset(n, k, seed)
     assert got.dtype == torch.int64 and got.shape == (k,)
     assert torch.equal(got, reference.random_subset(n, k, seed))
 
@@ -31,7 +31,7 @@ def test_boundary_at_histogram_bin_edges():
     per_bin = torch.bincount(u >> 16, minlength=65536)
     edge = int(torch.cumsum(per_bin, 0)[40_000])                   # keys in bins 0..40000
     for k in (edge - 1, edge, edge + 1):
-        assert torch.equal(numba_ops.random_subset(n, k, seed), reference.random_subset(n, k, seed))
+        assert torch.equal(subset.random_subset(n, k, seed), reference.random_subset(n, k, seed))
 
 
 def test_dispatch_and_errors():
@@ -40,7 +40,7 @@ def test_dispatch_and_errors():
     assert torch.equal(kernels.random_subset(10, 10, 3), torch.arange(10))
     for bad in (-1, 11):
         with pytest.raises(ValueError, match="cannot choose"):
-            numba_ops.random_subset(10, bad, 0)
+            subset.random_subset(10, bad, 0)
 
 
 def test_one_pass_of_candidates_decides_small_subsets(monkeypatch):
@@ -49,9 +49,9 @@ def test_one_pass_of_candidates_decides_small_subsets(monkeypatch):
     def no_histogram(*args):
         raise AssertionError("the histogram path ran")
 
-    monkeypatch.setattr(numba_ops, "_subset_by_histogram", no_histogram)
+    monkeypatch.setattr(subset, "_subset_by_histogram", no_histogram)
     for n, k, seed in ((70_000, 1, 0), (300_001, 3_000, 7), (3_000_017, 30_000, -3), (1 << 20, 60_000, 5)):
-        assert torch.equal(numba_ops.random_subset(n, k, seed), reference.random_subset(n, k, seed))
+        assert torch.equal(subset.random_subset(n, k, seed), reference.random_subset(n, k, seed))
 
 
 @pytest.mark.parametrize("patch", ["too_few", "no_room"])
@@ -59,17 +59,17 @@ def test_candidates_that_cannot_decide_fall_back_to_the_histogram(monkeypatch, p
     """Too few candidates (a threshold below the k-th draw) or a part's share past its room: the
     histogram path gives the same subset."""
     ran = []
-    real = numba_ops._subset_by_histogram
+    real = subset._subset_by_histogram
 
     def histogram(*args):
         ran.append(1)
         return real(*args)
 
-    monkeypatch.setattr(numba_ops, "_subset_by_histogram", histogram)
+    monkeypatch.setattr(subset, "_subset_by_histogram", histogram)
     n, k, seed = 300_001, 3_000, 13
     if patch == "too_few":
-        monkeypatch.setattr(numba_ops, "_candidate_limit", lambda n_, k_: (k_ // 2) * (1 << 32) // n_)
+        monkeypatch.setattr(subset, "_candidate_limit", lambda n_, k_: (k_ // 2) * (1 << 32) // n_)
     else:
-        monkeypatch.setattr(numba_ops, "_candidate_room", lambda per: 10)
-    assert torch.equal(numba_ops.random_subset(n, k, seed), reference.random_subset(n, k, seed))
+        monkeypatch.setattr(subset, "_candidate_room", lambda per: 10)
+    assert torch.equal(subset.random_subset(n, k, seed), reference.random_subset(n, k, seed))
     assert ran

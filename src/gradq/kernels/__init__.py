@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..random import RandomStream
-from . import numba_ops, reference
+from . import numba_ops, reference, subset
 from . import binary as _numba_binary
 from . import levels as _numba_levels
 
@@ -385,7 +385,7 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     sorted int64 on ``device``, the same on every device (:func:`gradq.kernels.reference.random_subset`).
     On the CPU a numba selection; elsewhere the reference (torch's ``topk`` on the device)."""
     b = backend_for(torch.empty(0, device=device))
-    return (numba_ops if b == "numba" else reference).random_subset(n, k, seed, device)
+    return (subset if b == "numba" else reference).random_subset(n, k, seed, device)
 
 
 def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
