@@ -29,8 +29,9 @@ def _sub():
 
 
 def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """As :func:`gradq.kernels.reference.random_subset` (selection by a histogram of the keys' top
-    bits, :mod:`gradq.kernels.cpu_subset`); keys wider than 32 bits (``n > 2**32``) go to the reference."""
+    """As :func:`gradq.kernels.reference.random_subset`: one pass of candidates where they decide
+    (:func:`_subset_below`), else a selection by a histogram of the keys' top bits
+    (:func:`_subset_by_histogram`); keys wider than 32 bits (``n > 2**32``) go to the reference."""
     from ..random import RandomStream
     from . import reference
 
