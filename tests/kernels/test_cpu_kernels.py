@@ -23,6 +23,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gradq import kernels as K  # noqa: E402
+from gradq.kernels import reference as R  # noqa: E402
 from gradq.codecs.bitpack import pack_bits, pack_trits, unpack_bits, unpack_trits  # noqa: E402
 from gradq.errors import PayloadError  # noqa: E402
 from gradq.quantizers._common import bucket_chunks, bucket_norms, bucket_view, code_width  # noqa: E402
@@ -66,6 +67,11 @@ def test_maxabs_scales(n, bucket):
     c = 0.75
     clipped = bucket_norms(bucket_view(torch.clamp(x, -c, c), bucket), "max")
     assert torch.equal(K.maxabs_scales(x, bucket, clip=c), clipped)
+    # a clip of −0.0 is the clip 0.0: scales of +0.0, a NaN bucket's too (as the reference's)
+    x[:1] = float("nan")
+    zero = K.maxabs_scales(x, bucket, clip=-0.0)
+    assert torch.equal(zero.view(torch.int32), torch.zeros_like(zero).view(torch.int32))
+    assert torch.equal(R.maxabs_scales(x, bucket, clip=-0.0).view(torch.int32), zero.view(torch.int32))
 
 
 @pytest.mark.parametrize("bucket", BUCKETS + [70_000])

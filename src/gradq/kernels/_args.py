@@ -44,7 +44,7 @@ def _clip(clip: Optional[float]) -> np.float32:
     c = float(clip)
     if not c >= 0:
         raise ValueError(f"clip must be >= 0 or None, got {clip!r}")
-    return np.float32(c)
+    return np.float32(c + 0.0)   # (−0.0 is the clip 0.0, as in the reference)
 
 
 def _stream(rng: RngLike, advance: int) -> tuple[int, int, int]:

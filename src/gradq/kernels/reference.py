@@ -380,7 +380,10 @@ def _stream(rng: RngLike) -> RandomStream:
 
 def _clipped(x: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
     v = x.detach().reshape(-1)
-    return v if clip is None else torch.clamp(v, -float(clip), float(clip))
+    if clip is None:
+        return v
+    c = float(clip) + 0.0   # (a clip of −0.0 is 0.0: no scale or bound of −0.0)
+    return torch.clamp(v, -c, c)
 
 
 def _into(res: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -396,7 +399,7 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
     holds a NaN gets the clip bound (``inf`` without one), as the compiled kernels' integer maximum
     over ``|x|`` clamped to the bound gives it; so every backend agrees on non-finite input too."""
     m = bucket_norms(bucket_view(_clipped(x, clip), bucket), "max").to(torch.float32)
-    bound = math.inf if clip is None else float(clip)
+    bound = math.inf if clip is None else float(clip) + 0.0
     return _into(torch.where(torch.isnan(m), torch.full_like(m, bound), m), out)
 
 
