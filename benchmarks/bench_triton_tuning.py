@@ -16,8 +16,8 @@ of the shipped settings:
 (host work, launches, the encode's one host read), and a profile of the host's calls for the
 4-bit QSGD decode.
 
-    python benchmarks/bench_triton_tuning.py [--n 25000000] [--groups stats fused groups sort orq elias] [--host]
-        [--budget SECONDS] [--json FILE] [--best FILE]
+    python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
+        [--groups stats passes moments maxabs fused groups sort orq elias]
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 GROUPS = {
     "stats": (["signsgd", "onebit:ef=0", "bingrad-b"], "_binary_stats_kernel",
               [dict(stats_elems=e, stats_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+    "passes": (["signsgd", "onebit:ef=0", "bingrad-b"], "_(binary_stats|threshold)_kernel",
+               [dict(stats_passes=p) for p in (1, 2)]),
+    "moments": (["terngrad", "terngrad:pack=2bit"], "_(block|merge)_moments_kernel",
+                [dict(moment_runs=r) for r in (1, 8)]),
+    "maxabs": (["maxnorm:bits=4", "multiscale:bits=2+6"], "_maxabs_bits_kernel",
+               [dict(maxabs_elems=e) for e in (1024, 2048, 4096, 8192, 16384)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",

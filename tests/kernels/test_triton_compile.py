@@ -35,8 +35,9 @@ SCRIPT = textwrap.dedent('''
     target = GPUTarget("cuda", 90, 32)
     P8, P32, PF, PI64, PF64, I, F, C = "*u8", "*i32", "*fp32", "*i64", "*fp64", "i64", "fp32", "constexpr"
     cases = [
-        ("_maxabs_bits_kernel", dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, ROWS=C, COLS=C),
-         dict(ROWS=8, COLS=512), False),
+        ("_maxabs_bits_kernel", dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, cap="i32", ROWS=C, COLS=C),
+         dict(ROWS=rows, COLS=cols), False)
+        for rows, cols in [(8, 512), (1, 4096)]
     ] + [
         ("_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, bucket=I, s="i32",
          clip=PF if at else F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, CLIP_AT=C, WIDE=C),
@@ -68,8 +69,11 @@ SCRIPT = textwrap.dedent('''
          dict(G=128), True),
         ("_bit_decode_kernel", dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, n=I, nbytes=I, bucket=I, PER=C, G=C),
          dict(PER=1, G=128), False),
-        ("_block_moments_kernel", dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, n=I,
-         BLOCK=C), dict(BLOCK=4096), False),
+    ] + [
+        ("_block_moments_kernel", dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, f_ptr=PF,
+         top_ptr=PF, n=I, nblocks=I, clip=F, BLOCK=C, CHUNK=C, LAST=C), dict(BLOCK=4096, CHUNK=1024, LAST=last), False)
+        for last in (True, False)
+    ] + [
         ("_merge_moments_kernel", dict(cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, ocnt_ptr=PF64, omean_ptr=PF64,
          om2_ptr=PF64, nblocks=I, clip=F, CHUNK=C, FINAL=C), dict(CHUNK=1024, FINAL=False), False),
         ("_merge_moments_kernel", dict(cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, ocnt_ptr=PF, omean_ptr=PF,
@@ -88,12 +92,14 @@ SCRIPT = textwrap.dedent('''
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=2, IW=1, G=64, WIDE=True), True),
 
     ] + [
-        ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF64, lv_ptr=PF, buf_ptr=PF64, nrows=I, w=I, MODE=C, ITERS=C,
-         D=C, LOG=C, ROWS=C, TAIL=C), dict(MODE=mode, ITERS=iters, D=d, LOG=d.bit_length() - 1,
-         ROWS=1 if tail else max(1, 4096 // d), TAIL=tail), False)
-        for mode, iters, d, tail in [(0, 0, 512, False), (1, 0, 512, False), (2, 0, 512, False), (2, 3, 64, False),
-                                     (2, 1, 1, False), (0, 0, 4096, False), (0, 0, 16, True), (1, 0, 512, True),
-                                     (2, 2, 4096, True)]
+        ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF64, lv_ptr=PF, buf_ptr=PF64, bits_ptr=P8, nrows=I, w=I,
+         MODE=C, ITERS=C, D=C, LOG=C, ROWS=C, TAIL=C, BITS=C), dict(MODE=mode, ITERS=iters, D=d,
+         LOG=d.bit_length() - 1, ROWS=1 if tail else max(1, 4096 // d), TAIL=tail, BITS=bits), False)
+        for mode, iters, d, tail, bits in [(0, 0, 512, False, True), (1, 0, 512, False, True),
+                                           (2, 0, 512, False, True), (2, 3, 64, False, False),
+                                           (2, 1, 1, False, False), (0, 0, 4096, False, False),
+                                           (0, 0, 16, True, True), (1, 0, 512, True, False), (2, 2, 4096, True, True),
+                                           (0, 0, 512, False, False), (2, 0, 512, False, False)]
     ] + [
         ("_linear_levels_kernel", dict(x_ptr=PF, pos_ptr=PI64, lv_ptr=PF, n=I, bucket=I, nrows=I, L=C, P=C, LOG=C,
          ROWS=C), dict(L=L, P=p, LOG=p.bit_length() - 1, ROWS=rows), False)

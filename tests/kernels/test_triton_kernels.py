@@ -69,6 +69,23 @@ def triton_backend():
 
 # -- primitives -------------------------------------------------------------------------------------
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
+@pytest.mark.parametrize("bucket", [None, 4, 512])
+def test_maxabs_scales_clip_and_non_finite(bucket):
+    """``maxabs_scales``' clip is a cap inside the kernel's atomic maximum (a clip of non-negative
+    bits) or applied after it (−0.0, a bound on the device): every kind gives the reference's
+    bits, with NaN and ±inf in some buckets (a NaN bucket reads the clip), into ``out=`` too."""
+    x = data(2051, 9)
+    x[7], x[600], x[1500] = float("nan"), float("inf"), -float("inf")
+    for clip in (None, 0.0, -0.0, 0.75, 1e30, float("inf")):
+        want = R.maxabs_scales(x, bucket, clip=clip)
+        assert same(T.maxabs_scales(x, bucket, clip=clip), want), clip
+        out = torch.full_like(want, 7.0)
+        assert T.maxabs_scales(x, bucket, clip=clip, out=out) is out and same(out, want), clip
+    bound = torch.tensor([0.5])
+    assert same(T.maxabs_scales(x, bucket, clip=bound), R.maxabs_scales(x, bucket, clip=0.5))
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
 @pytest.mark.parametrize("bucket,n", grid(BUCKETS, SIZES, covering=UNIFORM_COVER))
 def test_uniform_primitives(n, bucket):
     x = data(n, n)
@@ -126,13 +143,18 @@ def host_bound(bound):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("chunk", [2, 4, 1024])
-def test_sigma_merge_tree(chunk, monkeypatch):
+@pytest.mark.parametrize("chunk,runs", [(2, 1), (4, 1), (8, 2), (2, 32), (4, 16), (1024, 1)])
+def test_sigma_merge_tree(chunk, runs, monkeypatch):
     """TernGrad's σ through one, two and several levels of the merge tree (small merge chunks, so
-    that a few blocks take several levels): the reference's σ, bit for bit, on data with an offset
-    (a large mean, where a one-pass E[x²] − E[x]² would cancel) and on the edge-case data."""
+    that a few blocks take several levels), or merged by the block that finishes last, in runs of
+    ``chunk`` (where the blocks fit in ``TUNING["moment_runs"]`` runs: no merge launch at all): the
+    reference's σ, bit for bit, on data with an offset (a large mean, where a one-pass
+    E[x²] − E[x]² would cancel) and on the edge-case data (blocks of 64 values: 1 to 47 blocks)."""
     monkeypatch.setattr(T, "_MOMENT_BLOCK", 64)
     monkeypatch.setattr(T, "_MERGE_CHUNK", chunk)
+    monkeypatch.setitem(T.TUNING, "moment_runs", runs)
+    if chunk * runs >= 47:
+        monkeypatch.setattr(T, "_merge_moments_kernel", None)   # (a merge launch would fail)
     g = torch.Generator().manual_seed(chunk)
     for x in (torch.randn(3001, generator=g) + 1000.0, data(2000, chunk), torch.randn(65, generator=g),
               torch.full((130,), 0.25)):
@@ -142,15 +164,25 @@ def test_sigma_merge_tree(chunk, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("rows,tail", grid([1, 4], [0, 1, 2, 3, 5, 15],
-                                            covering=[(1, 0), (1, 3), (4, 1), (4, 5), (4, 15)]))
-def test_one_bit_statistics_in_triton(tail, rows, monkeypatch):
+@pytest.mark.parametrize("rows,tail,passes", grid([1, 4], [0, 1, 2, 3, 5, 15], [1, 2],
+                                                  covering=[(1, 0, 1), (1, 3, 2), (4, 1, 1), (4, 5, 2), (4, 15, 1),
+                                                            (1, 0, 2), (4, 3, 1), (1, 15, 2)]))
+def test_one_bit_statistics_in_triton(tail, rows, passes, monkeypatch):
     """The one-bit statistics of power-of-two buckets and of a partial last bucket of any width run
     in the Triton kernels (the torch reference is not called), with the reference's folds: the
     same thresholds and levels, bit for bit, for SignSGD, 1BitSGD and BinGrad-b with 0 to 3 Lloyd
     steps, one or four buckets a program (``T.TUNING``). The rows include buckets of −0.0 only, of
-    one sign only, and a constant one."""
+    one sign only, and a constant one. With one pass (``stats_passes``) the statistics' kernel
+    writes the bits too (``threshold_encode`` is not called), a partial last byte included."""
     monkeypatch.setitem(T.TUNING, "stats_elems", 16 * rows)
+    monkeypatch.setitem(T.TUNING, "stats_passes", passes)
+    if passes == 1:
+        from gradq.kernels import triton_levels
+
+        def no_second_pass(*args, **kwargs):
+            raise AssertionError("the bits took a pass of their own")
+
+        monkeypatch.setattr(triton_levels, "threshold_encode", no_second_pass)
     g = torch.Generator().manual_seed(tail)
     x = torch.cat([data(16 * 5, tail), -torch.zeros(16), torch.rand(16, generator=g), torch.full((16,), 0.3),
                    torch.randn(tail, generator=g) * 1e3])
@@ -683,6 +715,27 @@ def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got.same_bytes(want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("runs", [1, 8])
+def test_gpu_terngrad_statistics_of_many_blocks(runs, monkeypatch):
+    """TernGrad's σ, bound and clipped max on CUDA over thousands of blocks, merged by the block that
+    finishes last (``moment_runs`` 8: 9M values are 3 runs) or by the tree (``moment_runs`` 1; 40M
+    values take the tree at 8 too): the reference's, ten times over (the ticket that elects the
+    last block must not let it read a triple before it is written)."""
+    monkeypatch.setitem(T.TUNING, "moment_runs", runs)
+    g = torch.Generator().manual_seed(runs)
+    for n in (9_000_001, 40_000_003):
+        x = torch.randn(n, generator=g) * 0.01 + 0.003
+        want = R.population_std(x), R.terngrad_stats(x, 2.5, None)
+        xc = x.cuda()
+        for _ in range(10):
+            sigma = T.population_std(xc)
+            bound, top = T.terngrad_stats(xc, 2.5, None)
+            assert same(sigma.cpu().reshape(1), want[0].reshape(1)), (n, float(sigma), float(want[0]))
+            assert float(bound) == want[1][0] and same(top.cpu(), want[1][1]), (n, float(bound), want[1])
 
 
 @pytest.mark.gpu

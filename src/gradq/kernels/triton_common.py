@@ -45,7 +45,7 @@ from ..errors import PayloadError  # noqa: E402
 #: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
-VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base")
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap")
 
 
 def _jit(fn):
@@ -95,10 +95,13 @@ TUNING = {
     "fused_warps": 4,
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
     "stats_warps": 1,
+    "stats_passes": 1,      # reads of x in the one-bit encodes: 1, the bits in the statistics' pass; 2, a pass each
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
     "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
+    "maxabs_elems": 4096,   # values a program in the max-abs pass (MaxNorm's, MultiScale's, bucketed TernGrad's)
+    "moment_runs": 8,       # TernGrad's moments: up to this many runs of 1,024 blocks merged by the last block
 }
 
 

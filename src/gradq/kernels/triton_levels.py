@@ -304,14 +304,28 @@ def _masked_mean(x, mask, empty, w, buf_ptr, ROWS: tl.constexpr, D: tl.constexpr
 
 
 @_jit
-def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, nrows, w, MODE: tl.constexpr, ITERS: tl.constexpr,
-                         D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr, TAIL: tl.constexpr):
+def _pack_rows(bits, bits_ptr, row, ok, w, ROWS: tl.constexpr, D: tl.constexpr):
+    """The bits ``[ROWS, D]`` (0/1 int32, ``D`` a multiple of 8) of whole rows packed eight a byte,
+    bit ``i`` of byte ``g`` = column ``8g + i`` (``threshold_encode``'s layout), into ``bits_ptr``
+    at ``D/8`` bytes a row: the bytes that hold one of the first ``w`` columns of the live rows."""
+    byte = tl.sum(tl.reshape(bits, (ROWS, D // 8, 8)) << tl.arange(0, 8)[None, None, :], axis=2)
+    g = tl.arange(0, D // 8)
+    keep = ok[:, None] & (g[None, :] < (w + 7) // 8)
+    tl.store(bits_ptr + row[:, None] * (D // 8) + g[None, :], byte.to(tl.uint8), mask=keep)
+
+
+@_jit
+def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE: tl.constexpr,
+                         ITERS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr,
+                         TAIL: tl.constexpr, BITS: tl.constexpr):
     """The one-bit statistics of buckets of ``w`` values, as
     :func:`gradq.kernels.reference.one_bit_stats`: float64 thresholds into ``t_ptr`` and float32
     levels into ``lv_ptr`` (MODE 0, SignSGD: ``mean |x|``; 1, 1BitSGD: the means of ``x < 0`` and
     ``x ≥ 0``; 2, BinGrad-b: ``(b0, b1)`` after ``ITERS`` Lloyd steps). Either ``ROWS`` full
     buckets of ``w = D = 2**LOG`` values a program, or (``TAIL``) one bucket of any ``w ≤ D``,
-    whose folds go through the scratch ``buf_ptr``."""
+    whose folds go through the scratch ``buf_ptr``. With ``BITS`` (``D ≥ 8``) the same read also
+    writes the bits ``float64(x) ≥ t`` into ``bits_ptr`` (``threshold_encode``'s, whose bucket
+    starts at a byte: its first bucket's), so that the encode reads ``x`` once."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, D)
     ok = row < nrows
@@ -324,6 +338,8 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, nrows, w, MODE: tl.const
         tl.store(t_ptr + row, zero, mask=ok)
         lv = _fold(tl.abs(x), w, buf_ptr, ROWS, D, LOG, TAIL) / dd
         tl.store(lv_ptr + row, lv.to(tl.float32), mask=ok)
+        if BITS:
+            _pack_rows((ok2 & (x >= 0.0)).to(tl.int32), bits_ptr, row, ok, w, ROWS, D)
     else:
         if MODE == 1:
             t = zero
@@ -343,6 +359,8 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, nrows, w, MODE: tl.const
         tl.store(t_ptr + row, t, mask=ok)
         tl.store(lv_ptr + 2 * row, b0.to(tl.float32), mask=ok)
         tl.store(lv_ptr + 2 * row + 1, b1.to(tl.float32), mask=ok)
+        if BITS:
+            _pack_rows((ok2 & (x >= t[:, None])).to(tl.int32), bits_ptr, row, ok, w, ROWS, D)
 
 
 @_jit
@@ -660,37 +678,55 @@ def _rows_per_program(most: int, rows: int) -> int:
     return max(1, min(most, 1 << max(rows - 1, 0).bit_length()))
 
 
-def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
-                  stats) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats_in_triton(n: int, d: int) -> bool:
+    """Whether :func:`_binary_stats` runs its Triton kernels: a full bucket or more, of a power of two
+    up to ``reference.SUM_BLOCK`` values."""
+    return n >= d > 0 and not d & (d - 1) and d <= reference.SUM_BLOCK
+
+
+def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int, stats,
+                  bits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-bucket ``(float64 thresholds, flat float32 levels)`` as ``reference.one_bit_stats(xv,
     bucket, stats)``. Full buckets of a power-of-two size up to ``reference.SUM_BLOCK`` take one
     Triton pass (whole buckets per program, each read once, nothing input-sized allocated), a
-    partial last bucket one more launch; buckets of other sizes take the reference in torch."""
+    partial last bucket one more launch; buckets of other sizes take the reference in torch. With
+    ``bits`` (a Triton pass, buckets of 8 values or more) the same pass writes the bits of
+    ``threshold_encode(xv, thresholds, bucket)`` there."""
     n = xv.numel()
     d = _bucket(n, bucket)
-    nfull = n // d if d and n else 0
-    if not nfull or d & (d - 1) or d > reference.SUM_BLOCK:
+    if not _stats_in_triton(n, d):
         return reference.one_bit_stats(xv, bucket, stats)
+    nfull = n // d
     per = 1 if mode == 0 else 2
     nb = _nbuckets(n, d)
     t = torch.empty(nb, dtype=torch.float64, device=xv.device)
     lv = torch.empty(nb * per, dtype=torch.float32, device=xv.device)
     rows = _rows_per_program(max(1, TUNING["stats_elems"] // d), nfull)
     log = d.bit_length() - 1
-    _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, nfull, d, MODE=mode, ITERS=iters, D=d,
-            LOG=log, ROWS=rows, TAIL=False, num_warps=TUNING["stats_warps"])
+    fused = bits is not None
+    out = bits if fused else t
+    _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, out, nfull, d, MODE=mode, ITERS=iters, D=d,
+            LOG=log, ROWS=rows, TAIL=False, BITS=fused, num_warps=TUNING["stats_warps"])
     w = n - nfull * d
     if w:   # the partial last bucket: one program, its folds through a scratch row
         scratch = torch.empty(d, dtype=torch.float64, device=xv.device)
-        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t[nfull:], lv[nfull * per:], scratch, 1, w, MODE=mode,
-                ITERS=iters, D=d, LOG=log, ROWS=1, TAIL=True)
+        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t[nfull:], lv[nfull * per:], scratch,
+                out[nfull * d // 8:] if fused else t, 1, w, MODE=mode, ITERS=iters, D=d, LOG=log, ROWS=1, TAIL=True,
+                BITS=fused)
     return t, lv
 
 
 def _one_bit(x: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
              stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """The statistics (:func:`_binary_stats`), then the bits."""
+    """The statistics (:func:`_binary_stats`) and the bits: in the statistics' own read of ``x``
+    (``TUNING["stats_passes"] = 1``, buckets of 8 values or more), else by ``threshold_encode``."""
     xv = _flat(x, "x", torch.float32)
+    n = xv.numel()
+    d = _bucket(n, bucket)
+    if TUNING["stats_passes"] == 1 and d >= 8 and _stats_in_triton(n, d):
+        packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=xv.device)
+        t, lv = _binary_stats(xv, bucket, mode, iters, stats, packed)
+        return packed, lv
     t, lv = _binary_stats(xv, bucket, mode, iters, stats)
     return threshold_encode(xv, t, bucket), lv
 

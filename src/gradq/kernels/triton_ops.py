@@ -98,17 +98,18 @@ def _field(v, scale, s, clip, u):
 
 
 @_jit
-def _maxabs_bits_kernel(x_ptr, bits_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _maxabs_bits_kernel(x_ptr, bits_ptr, n, bucket, nb, ncol, cap, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Per bucket, the largest ``|x|`` bit pattern (for non-NaN floats the integer order of the
-    magnitude bits is the order of ``|x|``; NaN ranks above inf, as in the numba kernel), over a
-    ``(rows, column chunk)`` grid merged by an atomic max (order-free, so deterministic)."""
+    magnitude bits is the order of ``|x|``; NaN ranks above inf, as in the numba kernel) capped at
+    ``cap`` (``min(max, cap)`` is the max of the capped values), over a ``(rows, column chunk)``
+    grid merged by an atomic max (order-free, so deterministic) into zeros."""
     pid = tl.program_id(0).to(tl.int64)  # one axis (CUDA limits the others to 65535 programs)
     rows = (pid // ncol) * ROWS + tl.arange(0, ROWS)
     c = (pid % ncol) * COLS + tl.arange(0, COLS)
     idx = rows[:, None].to(tl.int64) * bucket + c[None, :]
     ok = (rows[:, None] < nb) & (c[None, :] < bucket) & (idx < n)
     bits = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(bits_ptr + rows, tl.max(bits, axis=1), mask=rows < nb)
+    tl.atomic_max(bits_ptr + rows, tl.minimum(tl.max(bits, axis=1), cap), mask=rows < nb)
 
 
 @_jit
@@ -125,9 +126,14 @@ def _sumsq_kernel(x_ptr, part_ptr, n, bucket, nb, ncol, ROWS: tl.constexpr, COLS
 
 
 @_jit
-def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, n, BLOCK: tl.constexpr):
+def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, f_ptr, top_ptr, n, nblocks, clip,
+                          BLOCK: tl.constexpr, CHUNK: tl.constexpr, LAST: tl.constexpr):
     """One read per block of BLOCK values: its count, float64 mean and ``Σ (x − mean)²`` (the block
-    stays in registers for the second sum), and the largest ``|x|`` bit pattern (atomic max)."""
+    stays in registers for the second sum), and the largest ``|x|`` bit pattern (atomic max into
+    ``maxbits_ptr[0]``). With ``LAST`` the program that finishes last (a ticket counter at
+    ``maxbits_ptr[3]``, taken after the program's stores and released with them) merges the
+    ``nblocks`` triples (:func:`_merge_chunks`) and writes :func:`_moments_result`: one launch for the
+    whole of TernGrad's statistics."""
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
@@ -140,6 +146,11 @@ def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, n, BLOC
     tl.store(mean_ptr + pid, mean)
     tl.store(m2_ptr + pid, tl.sum(d * d, axis=0))
     tl.atomic_max(maxbits_ptr, tl.max(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    if LAST:
+        tl.debug_barrier()   # (every thread's stores before the ticket)
+        if tl.atomic_add(maxbits_ptr + 3, 1, sem="acq_rel", scope="gpu") == nblocks - 1:
+            bn, bm, bq = _merge_chunks(cnt_ptr, mean_ptr, m2_ptr, nblocks, CHUNK)
+            _moments_result(bn, bq, f_ptr, top_ptr, clip)
 
 
 @triton.jit
@@ -153,28 +164,55 @@ def _chan_merge(na, ma, qa, nb, mb, qb):
 
 
 @_jit
+def _chunk_triple(cnt_ptr, mean_ptr, m2_ptr, offs, nblocks):
+    """The triples at ``offs`` (those below ``nblocks``) merged by Triton's fixed reduction tree
+    (deterministic), read from L2 (``.cg``: written by other programs of the same launch)."""
+    ok = offs < nblocks
+    n = tl.load(cnt_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    m = tl.load(mean_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    q = tl.load(m2_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    return tl.reduce((n, m, q), 0, _chan_merge)
+
+
+@_jit
+def _merge_chunks(cnt_ptr, mean_ptr, m2_ptr, nblocks, CHUNK: tl.constexpr):
+    """Every one of ``nblocks`` triples merged: each run of CHUNK by :func:`_chunk_triple`, the runs
+    in order."""
+    offs = tl.arange(0, CHUNK)
+    bn, bm, bq = _chunk_triple(cnt_ptr, mean_ptr, m2_ptr, offs, nblocks)
+    start = nblocks * 0 + CHUNK   # (a while loop: the interpreter's range() takes no runtime bound)
+    while start < nblocks:
+        cn, cm, cq = _chunk_triple(cnt_ptr, mean_ptr, m2_ptr, start + offs, nblocks)
+        bn, bm, bq = _chan_merge(bn, bm, bq, cn, cm, cq)
+        start += CHUNK
+    return bn, bm, bq
+
+
+@_jit
+def _moments_result(bn, bq, f_ptr, top_ptr, clip):
+    """From the merged count and centred sum of squares, into the float32 ``[max |x|, σ, bound]`` at
+    ``f_ptr`` whose max is complete: σ, TernGrad's clip bound ``float32(clip)·σ`` (inf where σ is
+    not positive: no clipping, as the host's ``None``) and at ``top_ptr`` the clipped max
+    ``min(max |x|, bound)`` (a NaN max reads the bound), all without a host read."""
+    sigma = tl.sqrt(bq / bn).to(tl.float32)
+    bound = tl.where(sigma > 0, clip * sigma, float("inf"))
+    mx = tl.load(f_ptr, cache_modifier=".cg")
+    tl.store(f_ptr + 1, sigma)
+    tl.store(f_ptr + 2, bound)
+    tl.store(top_ptr, tl.where(mx < bound, mx, bound))
+
+
+@_jit
 def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_ptr, nblocks, clip,
                           CHUNK: tl.constexpr, FINAL: tl.constexpr):
-    """One level of the merge tree: each program reduces CHUNK consecutive (count, mean, centred sum
-    of squares) triples by Triton's fixed reduction tree (deterministic) into one triple. With FINAL
-    (one program) ``ocnt_ptr`` is the float32 ``[max |x|, σ, bound]`` of :func:`_moments`, whose
-    max is complete: it stores σ, TernGrad's clip bound ``float32(clip)·σ`` (inf where σ is not
-    positive: no clipping, as the host's ``None``) and at ``omean_ptr`` the clipped max
-    ``min(max |x|, bound)`` (a NaN max reads the bound), all without a host read."""
+    """One level of the merge tree (inputs of more than ``TUNING["moment_runs"]`` runs): each program
+    reduces CHUNK consecutive triples (:func:`_chunk_triple`) into one. With FINAL (one program) ``ocnt_ptr``
+    is the float32 ``[max |x|, σ, bound]`` of :func:`_moments` and ``omean_ptr`` the clipped max
+    (:func:`_moments_result`)."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < nblocks
-    n = tl.load(cnt_ptr + offs, mask=ok, other=0.0)
-    m = tl.load(mean_ptr + offs, mask=ok, other=0.0)
-    q = tl.load(m2_ptr + offs, mask=ok, other=0.0)
-    bn, bm, bq = tl.reduce((n, m, q), 0, _chan_merge)
+    bn, bm, bq = _chunk_triple(cnt_ptr, mean_ptr, m2_ptr, pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK), nblocks)
     if FINAL:   # (float32 pointers here)
-        sigma = tl.sqrt(bq / bn).to(tl.float32)
-        bound = tl.where(sigma > 0, clip * sigma, float("inf"))
-        mx = tl.load(ocnt_ptr)
-        tl.store(ocnt_ptr + 1, sigma)
-        tl.store(ocnt_ptr + 2, bound)
-        tl.store(omean_ptr, tl.where(mx < bound, mx, bound))
+        _moments_result(bn, bq, ocnt_ptr, omean_ptr, clip)
     else:
         tl.store(ocnt_ptr + pid, bn)
         tl.store(omean_ptr + pid, bm)
@@ -482,22 +520,23 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
     nb = _nbuckets(n, d)
     res = _out(out, nb, torch.float32, xv.device)
     if n:
-        bits = torch.zeros(nb, dtype=torch.int32, device=xv.device)
-        cols = min(1024, triton.next_power_of_2(d))
-        rows = max(1, min(_ROWS, 4096 // cols))
+        # min(max |x|, c), where NaN < c is false (a NaN bucket reads c): a clip on the host is a
+        # cap in the kernel (non-negative floats order as their bits do, NaN above inf), so the
+        # kernel's maxima are the result; a bound on the device (TernGrad's) is applied after
+        at = isinstance(clip, torch.Tensor)
+        bits = torch.empty(nb, dtype=torch.int32, device=xv.device) if at else res.view(-1).view(torch.int32)
+        bits.zero_()
+        # TUNING["maxabs_elems"] values a program, no more rows than there are buckets (MaxNorm's
+        # one bucket of the whole tensor: one row, all of a program's values useful)
+        e = TUNING["maxabs_elems"]
+        cols = min(e, triton.next_power_of_2(d))
+        rows = max(1, min(_ROWS, e // cols, triton.next_power_of_2(nb)))
         ncol = -(-d // cols)
-        _launch(_maxabs_bits_kernel, (-(-nb // rows) * ncol,), xv, bits, n, d, nb, ncol, ROWS=rows, COLS=cols)
-        m = bits.view(torch.float32)
-        # min(max |x|, c), where NaN < c is false: a NaN bucket reads c
-        if isinstance(clip, torch.Tensor):   # a bound on the device (TernGrad's)
+        _launch(_maxabs_bits_kernel, (-(-nb // rows) * ncol,), xv, bits, n, d, nb, ncol,
+                0x7FFFFFFF if at else int(_clip(clip).view(np.int32)), ROWS=rows, COLS=cols)
+        if at:
+            m = bits.view(torch.float32)
             torch.where(m < clip, m, clip, out=res.view(-1))
-            return res
-        c = _clip(clip)
-        cb = int(c.view(np.int32))
-        if cb >= 0:   # one operation: non-negative floats order as their bits do, NaN above inf
-            torch.clamp(bits, max=cb, out=res.view(-1).view(torch.int32))
-        else:         # (clip = −0.0)
-            torch.where(m < float(c), m, torch.full_like(m, float(c)), out=res.view(-1))
     return res
 
 
@@ -674,25 +713,31 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     """``(σ, bound, clipped max)`` in one read of ``xv``, as float32 device tensors (no host read):
     σ as a 0-dim tensor, TernGrad's bound ``float32(clip)·σ`` (inf where σ ≤ 0 or is NaN) as one
     element, and ``min(max |x|, bound)`` as one element. Per block its count, mean and centred sum
-    of squares in float64, then the blocks' triples merged (Chan et al.'s update) by a tree of Triton
-    programs, each merging up to ``_MERGE_CHUNK`` of them: 3 launches for up to 2^32 values. σ equals
-    the reference's two-pass float64 σ rounded to float32, except within float64 rounding (~1e-13
-    relative) of a float32 rounding tie."""
+    of squares in float64, then the blocks' triples merged (Chan et al.'s update): by the block
+    that finishes last, in the same launch, for up to ``TUNING["moment_runs"]`` runs of
+    ``_MERGE_CHUNK`` blocks (8: up to 33.5M values); by a
+    tree of Triton programs above that, each merging up to ``_MERGE_CHUNK`` of them (3 launches for
+    up to 2^32 values). σ equals the reference's two-pass float64 σ rounded to float32, except
+    within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = torch.empty(3, grid[0], dtype=torch.float64, device=xv.device)   # (one allocation)
-    out = torch.zeros(3, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound]
-    top = torch.empty(1, dtype=torch.float32, device=xv.device)
-    _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, n, BLOCK=_MOMENT_BLOCK)
+    out = torch.zeros(4, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound, blocks done]
     f = out.view(torch.float32)
-    while cnt.numel() > _MERGE_CHUNK:
-        k = -(-cnt.numel() // _MERGE_CHUNK)
-        nxt = torch.empty(3, k, dtype=torch.float64, device=xv.device)
-        _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=_MERGE_CHUNK, FINAL=False)
-        cnt, mean, m2 = nxt
-    _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=_MERGE_CHUNK,
-            FINAL=True)
-    return f[1], f[2:], top
+    top = torch.empty(1, dtype=torch.float32, device=xv.device)
+    last = grid[0] <= TUNING["moment_runs"] * _MERGE_CHUNK
+    _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, f, top, n, grid[0], float(clip), BLOCK=_MOMENT_BLOCK,
+            CHUNK=_MERGE_CHUNK, LAST=last)
+    if not last:
+        while cnt.numel() > _MERGE_CHUNK:
+            k = -(-cnt.numel() // _MERGE_CHUNK)
+            nxt = torch.empty(3, k, dtype=torch.float64, device=xv.device)
+            _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=_MERGE_CHUNK,
+                    FINAL=False)
+            cnt, mean, m2 = nxt
+        _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=_MERGE_CHUNK,
+                FINAL=True)
+    return f[1], f[2:3], top
 
 
 def population_std(x: torch.Tensor) -> torch.Tensor:
