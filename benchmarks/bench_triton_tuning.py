@@ -48,7 +48,7 @@ GROUPS = {
     "passes": (["signsgd", "onebit:ef=0", "bingrad-b"], "_(binary_stats|threshold)_kernel",
                [dict(stats_passes=p) for p in (1, 2)]),
     "moments": (["terngrad", "terngrad:pack=2bit"], "_(block|merge)_moments_kernel",
-                [dict(moment_runs=r) for r in (1, 8)]),
+                [dict(moment_launches=k) for k in (1, 2)]),
     "maxabs": (["maxnorm:bits=4", "multiscale:bits=2+6"], "_maxabs_bits_kernel",
                [dict(maxabs_elems=e) for e in (1024, 2048, 4096, 8192, 16384)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",

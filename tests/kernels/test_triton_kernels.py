@@ -143,17 +143,20 @@ def host_bound(bound):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("chunk,runs", [(2, 1), (4, 1), (8, 2), (2, 32), (4, 16), (1024, 1)])
-def test_sigma_merge_tree(chunk, runs, monkeypatch):
+@pytest.mark.parametrize("chunk,launches,runs", [(2, 2, 8), (4, 2, 8), (1024, 2, 8), (8, 1, 2), (2, 1, 32),
+                                                  (4, 1, 16), (1024, 1, 8)])
+def test_sigma_merge_tree(chunk, launches, runs, monkeypatch):
     """TernGrad's σ through one, two and several levels of the merge tree (small merge chunks, so
     that a few blocks take several levels), or merged by the block that finishes last, in runs of
-    ``chunk`` (where the blocks fit in ``TUNING["moment_runs"]`` runs: no merge launch at all): the
-    reference's σ, bit for bit, on data with an offset (a large mean, where a one-pass
-    E[x²] − E[x]² would cancel) and on the edge-case data (blocks of 64 values: 1 to 47 blocks)."""
+    ``chunk`` (``moment_launches`` 1, where the blocks fit in ``_LAST_RUNS`` runs: no merge launch
+    at all; 47 blocks in 2 runs of 8 take the tree): the reference's σ, bit for bit, on data with
+    an offset (a large mean, where a one-pass E[x²] − E[x]² would cancel) and on the edge-case data
+    (blocks of 64 values: 1 to 47 blocks)."""
     monkeypatch.setattr(T, "_MOMENT_BLOCK", 64)
     monkeypatch.setattr(T, "_MERGE_CHUNK", chunk)
-    monkeypatch.setitem(T.TUNING, "moment_runs", runs)
-    if chunk * runs >= 47:
+    monkeypatch.setattr(T, "_LAST_RUNS", runs)
+    monkeypatch.setitem(T.TUNING, "moment_launches", launches)
+    if launches == 1 and chunk * runs >= 47:
         monkeypatch.setattr(T, "_merge_moments_kernel", None)   # (a merge launch would fail)
     g = torch.Generator().manual_seed(chunk)
     for x in (torch.randn(3001, generator=g) + 1000.0, data(2000, chunk), torch.randn(65, generator=g),
@@ -719,14 +722,14 @@ def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("runs", [1, 8])
-def test_gpu_terngrad_statistics_of_many_blocks(runs, monkeypatch):
+@pytest.mark.parametrize("launches", [1, 2])
+def test_gpu_terngrad_statistics_of_many_blocks(launches, monkeypatch):
     """TernGrad's σ, bound and clipped max on CUDA over thousands of blocks, merged by the block that
-    finishes last (``moment_runs`` 8: 9M values are 3 runs) or by the tree (``moment_runs`` 1; 40M
-    values take the tree at 8 too): the reference's, ten times over (the ticket that elects the
-    last block must not let it read a triple before it is written)."""
-    monkeypatch.setitem(T.TUNING, "moment_runs", runs)
-    g = torch.Generator().manual_seed(runs)
+    finishes last (``moment_launches`` 1: 9M values are 3 runs; 40M values, 10 runs, take the tree)
+    or by the tree: the reference's, ten times over (the ticket that elects the last block must not
+    let it read a triple before it is written)."""
+    monkeypatch.setitem(T.TUNING, "moment_launches", launches)
+    g = torch.Generator().manual_seed(launches)
     for n in (9_000_001, 40_000_003):
         x = torch.randn(n, generator=g) * 0.01 + 0.003
         want = R.population_std(x), R.terngrad_stats(x, 2.5, None)

@@ -205,9 +205,9 @@ def _moments_result(bn, bq, f_ptr, top_ptr, clip):
 @_jit
 def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_ptr, nblocks, clip,
                           CHUNK: tl.constexpr, FINAL: tl.constexpr):
-    """One level of the merge tree (inputs of more than ``TUNING["moment_runs"]`` runs): each program
-    reduces CHUNK consecutive triples (:func:`_chunk_triple`) into one. With FINAL (one program) ``ocnt_ptr``
-    is the float32 ``[max |x|, σ, bound]`` of :func:`_moments` and ``omean_ptr`` the clipped max
+    """One level of the merge tree (:func:`_moments`): each program reduces CHUNK consecutive
+    triples (:func:`_chunk_triple`) into one. With FINAL (one program) ``ocnt_ptr`` is the float32
+    ``[max |x|, σ, bound]`` of :func:`_moments` and ``omean_ptr`` the clipped max
     (:func:`_moments_result`)."""
     pid = tl.program_id(0)
     bn, bm, bq = _chunk_triple(cnt_ptr, mean_ptr, m2_ptr, pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK), nblocks)
@@ -707,17 +707,18 @@ def uniform_decode_trits_mean(packed: Sequence[torch.Tensor], scales: Sequence[t
 # -- TernGrad's statistics -------------------------------------------------------------------------
 _MOMENT_BLOCK = 4096
 _MERGE_CHUNK = 1024
+_LAST_RUNS = 8         # most runs of _MERGE_CHUNK blocks (33.5M values) the last block merges (moment_launches 1)
 
 
 def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(σ, bound, clipped max)`` in one read of ``xv``, as float32 device tensors (no host read):
     σ as a 0-dim tensor, TernGrad's bound ``float32(clip)·σ`` (inf where σ ≤ 0 or is NaN) as one
     element, and ``min(max |x|, bound)`` as one element. Per block its count, mean and centred sum
-    of squares in float64, then the blocks' triples merged (Chan et al.'s update): by the block
-    that finishes last, in the same launch, for up to ``TUNING["moment_runs"]`` runs of
-    ``_MERGE_CHUNK`` blocks (8: up to 33.5M values); by a
-    tree of Triton programs above that, each merging up to ``_MERGE_CHUNK`` of them (3 launches for
-    up to 2^32 values). σ equals the reference's two-pass float64 σ rounded to float32, except
+    of squares in float64, then the blocks' triples merged (Chan et al.'s update): with
+    ``TUNING["moment_launches"] = 1`` by the block that finishes last, in the same launch, for up to
+    ``_LAST_RUNS`` runs of ``_MERGE_CHUNK`` blocks; otherwise (the shipped setting, until a GPU has
+    timed and checked the other) by a tree of Triton programs, each merging up to ``_MERGE_CHUNK``
+    of them (3 launches for up to 2^32 values). σ equals the reference's two-pass float64 σ rounded to float32, except
     within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
@@ -725,7 +726,7 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     out = torch.zeros(4, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound, blocks done]
     f = out.view(torch.float32)
     top = torch.empty(1, dtype=torch.float32, device=xv.device)
-    last = grid[0] <= TUNING["moment_runs"] * _MERGE_CHUNK
+    last = TUNING["moment_launches"] == 1 and grid[0] <= _LAST_RUNS * _MERGE_CHUNK
     _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, f, top, n, grid[0], float(clip), BLOCK=_MOMENT_BLOCK,
             CHUNK=_MERGE_CHUNK, LAST=last)
     if not last:
