@@ -92,7 +92,8 @@ SCRIPT = textwrap.dedent('''
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=2, IW=1, G=64, WIDE=True), True),
 
     ] + [
-        ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF64, lv_ptr=PF, buf_ptr=PF64, bits_ptr=P8, nrows=I, w=I,
+        ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF if bits else PF64, lv_ptr=PF,
+         buf_ptr=PF64 if tail or not bits else PF, bits_ptr=P8, nrows=I, w=I,
          MODE=C, ITERS=C, D=C, LOG=C, ROWS=C, TAIL=C, BITS=C), dict(MODE=mode, ITERS=iters, D=d,
          LOG=d.bit_length() - 1, ROWS=1 if tail else max(1, 4096 // d), TAIL=tail, BITS=bits), False)
         for mode, iters, d, tail, bits in [(0, 0, 512, False, True), (1, 0, 512, False, True),

@@ -323,9 +323,10 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE
     levels into ``lv_ptr`` (MODE 0, SignSGD: ``mean |x|``; 1, 1BitSGD: the means of ``x < 0`` and
     ``x ≥ 0``; 2, BinGrad-b: ``(b0, b1)`` after ``ITERS`` Lloyd steps). Either ``ROWS`` full
     buckets of ``w = D = 2**LOG`` values a program, or (``TAIL``) one bucket of any ``w ≤ D``,
-    whose folds go through the scratch ``buf_ptr``. With ``BITS`` (``D ≥ 8``) the same read also
-    writes the bits ``float64(x) ≥ t`` into ``bits_ptr`` (``threshold_encode``'s, whose bucket
-    starts at a byte: its first bucket's), so that the encode reads ``x`` once."""
+    whose folds go through the scratch ``buf_ptr`` (``w`` float64). With ``BITS`` (``D ≥ 8``) the
+    same read writes the bits ``float64(x) ≥ t`` into ``bits_ptr`` (``threshold_encode``'s, whose
+    bucket starts at a byte: its first bucket's) instead of the thresholds, so that the encode
+    reads ``x`` once and holds no threshold array."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, D)
     ok = row < nrows
@@ -335,7 +336,8 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE
     dd = tl.zeros((ROWS,), tl.float64) + w.to(tl.float64)
     zero = tl.zeros((ROWS,), tl.float64)
     if MODE == 0:
-        tl.store(t_ptr + row, zero, mask=ok)
+        if not BITS:
+            tl.store(t_ptr + row, zero, mask=ok)
         lv = _fold(tl.abs(x), w, buf_ptr, ROWS, D, LOG, TAIL) / dd
         tl.store(lv_ptr + row, lv.to(tl.float32), mask=ok)
         if BITS:
@@ -356,7 +358,8 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE
                 upper = ok2 & (x >= t[:, None])
                 b0 = _masked_mean(x, ok2 & (upper == 0), t, w, buf_ptr, ROWS, D, LOG, TAIL)
                 b1 = _masked_mean(x, upper, t, w, buf_ptr, ROWS, D, LOG, TAIL)
-        tl.store(t_ptr + row, t, mask=ok)
+        if not BITS:
+            tl.store(t_ptr + row, t, mask=ok)
         tl.store(lv_ptr + 2 * row, b0.to(tl.float32), mask=ok)
         tl.store(lv_ptr + 2 * row + 1, b1.to(tl.float32), mask=ok)
         if BITS:
@@ -685,13 +688,13 @@ def _stats_in_triton(n: int, d: int) -> bool:
 
 
 def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int, stats,
-                  bits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  bits: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """Per-bucket ``(float64 thresholds, flat float32 levels)`` as ``reference.one_bit_stats(xv,
     bucket, stats)``. Full buckets of a power-of-two size up to ``reference.SUM_BLOCK`` take one
     Triton pass (whole buckets per program, each read once, nothing input-sized allocated), a
     partial last bucket one more launch; buckets of other sizes take the reference in torch. With
     ``bits`` (a Triton pass, buckets of 8 values or more) the same pass writes the bits of
-    ``threshold_encode(xv, thresholds, bucket)`` there."""
+    ``threshold_encode(xv, thresholds, bucket)`` there instead, and the thresholds are None."""
     n = xv.numel()
     d = _bucket(n, bucket)
     if not _stats_in_triton(n, d):
@@ -699,21 +702,22 @@ def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int
     nfull = n // d
     per = 1 if mode == 0 else 2
     nb = _nbuckets(n, d)
-    t = torch.empty(nb, dtype=torch.float64, device=xv.device)
     lv = torch.empty(nb * per, dtype=torch.float32, device=xv.device)
+    fused = bits is not None
+    # (with the bits, the kernels write no thresholds: any pointer stands for them)
+    t = lv if fused else torch.empty(nb, dtype=torch.float64, device=xv.device)
+    out = bits if fused else t
     rows = _rows_per_program(max(1, TUNING["stats_elems"] // d), nfull)
     log = d.bit_length() - 1
-    fused = bits is not None
-    out = bits if fused else t
     _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, out, nfull, d, MODE=mode, ITERS=iters, D=d,
             LOG=log, ROWS=rows, TAIL=False, BITS=fused, num_warps=TUNING["stats_warps"])
     w = n - nfull * d
-    if w:   # the partial last bucket: one program, its folds through a scratch row
-        scratch = torch.empty(d, dtype=torch.float64, device=xv.device)
-        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t[nfull:], lv[nfull * per:], scratch,
+    if w:   # the partial last bucket: one program, its folds through a scratch row of w values
+        scratch = torch.empty(w, dtype=torch.float64, device=xv.device)
+        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t if fused else t[nfull:], lv[nfull * per:], scratch,
                 out[nfull * d // 8:] if fused else t, 1, w, MODE=mode, ITERS=iters, D=d, LOG=log, ROWS=1, TAIL=True,
                 BITS=fused)
-    return t, lv
+    return (None if fused else t), lv
 
 
 def _one_bit(x: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
@@ -725,8 +729,7 @@ def _one_bit(x: torch.Tensor, bucket: Optional[int], mode: int, iters: int,
     d = _bucket(n, bucket)
     if TUNING["stats_passes"] == 1 and d >= 8 and _stats_in_triton(n, d):
         packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=xv.device)
-        t, lv = _binary_stats(xv, bucket, mode, iters, stats, packed)
-        return packed, lv
+        return packed, _binary_stats(xv, bucket, mode, iters, stats, packed)[1]
     t, lv = _binary_stats(xv, bucket, mode, iters, stats)
     return threshold_encode(xv, t, bucket), lv
 
