@@ -101,7 +101,7 @@ TUNING = {
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
     "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
     "maxabs_elems": 4096,   # values a program in the max-abs pass (MaxNorm's, MultiScale's, bucketed TernGrad's)
-    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (not yet timed on a GPU); 2, a merge tree
+    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (not yet on a GPU); 2, a merge tree
 }
 
 

@@ -718,8 +718,8 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     ``TUNING["moment_launches"] = 1`` by the block that finishes last, in the same launch, for up to
     ``_LAST_RUNS`` runs of ``_MERGE_CHUNK`` blocks; otherwise (the shipped setting, until a GPU has
     timed and checked the other) by a tree of Triton programs, each merging up to ``_MERGE_CHUNK``
-    of them (3 launches for up to 2^32 values). σ equals the reference's two-pass float64 σ rounded to float32, except
-    within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
+    of them (3 launches for up to 2^32 values). σ equals the reference's two-pass float64 σ rounded
+    to float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = torch.empty(3, grid[0], dtype=torch.float64, device=xv.device)   # (one allocation)
