@@ -17,7 +17,7 @@ of the shipped settings:
 4-bit QSGD decode.
 
     python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
-        [--groups stats passes moments maxabs fused groups sort orq elias]
+        [--groups stats passes moments maxabs subset fused groups sort orq elias]
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ GROUPS = {
                 [dict(moment_launches=k) for k in (1, 2)]),
     "maxabs": (["maxnorm:bits=4", "multiscale:bits=2+6"], "_maxabs_bits_kernel",
                [dict(maxabs_elems=e) for e in (1024, 2048, 4096, 8192, 16384)]),
+    "subset": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"],
+               "_subset_candidates_kernel",
+               [dict(subset_path=2)] + [dict(subset_path=1, subset_elems=e, subset_warps=w)
+                                         for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",

@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_elias as E
     from gradq.kernels import triton_levels as L
     from gradq.kernels import triton_multiscale as M
+    from gradq.kernels import triton_subset as S
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -127,6 +128,9 @@ SCRIPT = textwrap.dedent('''
          SPARSE=C, BLOCK=C, SMALL=C, PER_CHUNK=C),
          dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=4096, PER_CHUNK=E.CHUNK // E.BLOCK), False)
         for sparse in (True, False)
+    ] + [
+        ("_subset_candidates_kernel", dict(keys_ptr=PI64, count_ptr=P32, n=I, k1=I, k2=I, limit="i32", cap=I,
+         BLOCK=C), dict(BLOCK=1024), False),
     ]
 
 
@@ -137,7 +141,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, M, E) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, M, E, S) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -177,9 +181,10 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_levels as L
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_ops as T
+    from gradq.kernels import triton_subset as S
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, M, E) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, M, E, S) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

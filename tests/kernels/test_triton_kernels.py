@@ -267,6 +267,72 @@ def test_bingrad_pb_level_in_triton(bucket, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("n,k,seed,elems", [(70_000, 1, 0, 1024), (4_097, 2, 7, 4096), (300_001, 3_000, -3, 1024),
+                                            (300_001, 3_000, -3, 512), (1 << 20, 62_000, 2**63 - 1, 4096),
+                                            (1 << 20, 62_000, 5, 16384)])
+def test_random_subset_in_triton(n, k, seed, elems, monkeypatch):
+    """RandK's shared subset from the candidate pass equals the reference's, which is not called
+    (4,097 values: a partial last program; 2**20 values and 62,000 draws: near the largest k the
+    candidates take there, about n/16), with programs of any size (``subset_elems``)."""
+    from gradq.kernels import triton_subset as S
+
+    monkeypatch.setitem(T.TUNING, "subset_elems", elems)
+    want = R.random_subset(n, k, seed)
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    got = S.random_subset(n, k, seed)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("case", ["too few", "no room", "large k", "small n", "k = 0", "k = n", "torch path"])
+def test_random_subset_in_triton_falls_back_to_the_reference(case, monkeypatch):
+    """Where the candidates cannot decide (a threshold below the k-th draw, or more candidates than
+    the buffer holds) or are not used (k past about n/16, nothing to choose, or ``subset_path`` 2),
+    the reference gives the subset; a bad k is refused as on the other backends."""
+    from gradq.kernels import triton_subset as S
+
+    n, k, seed = {"large k": (10_000, 5_000, 1), "small n": (10, 3, 1), "k = 0": (500, 0, 1),
+                  "k = n": (500, 500, 1)}.get(case, (300_001, 3_000, 13))
+    want = R.random_subset(n, k, seed)
+    ran = []
+    real = R.random_subset
+
+    def reference(*args):
+        ran.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(R, "random_subset", reference)
+    if case == "too few":
+        monkeypatch.setattr(S, "_candidate_limit", lambda n_, k_: (k_ // 2) * (1 << 32) // n_)
+    elif case == "no room":
+        monkeypatch.setattr(S, "_candidate_room", lambda per: 10)
+    elif case == "torch path":
+        monkeypatch.setitem(T.TUNING, "subset_path", 2)
+    assert torch.equal(S.random_subset(n, k, seed), want) and ran
+    for bad in (-1, n + 1):
+        with pytest.raises(ValueError, match="cannot choose"):
+            S.random_subset(n, bad, seed)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", ["randk-maxnorm:ratio=0.001,bits=4", "randk-multiscale:k=150,rescale=1"])
+def test_global_randk_selects_in_triton(spec, triton_backend, monkeypatch):
+    """GlobalRandK through the Triton backend (selection, shared scale, codes, decode): the torch
+    backend's bytes and floats, with the selection from the candidate pass."""
+    x = gpu_input("gradient-like", 200_003, 5)
+    q = gradq.build(spec)
+    kernels.set_backend("torch")
+    ref = q.encode(x, seed=3, shared_seed=11)
+    ref_dec = q.decode(ref)
+    kernels.set_backend("triton")
+    q = gradq.build(spec)     # (a fresh selection memo)
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    enc = q.encode(x, seed=3, shared_seed=11)
+    assert enc.same_bytes(ref), first_difference(enc, ref)
+    assert same(q.decode(enc), ref_dec)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("bucket,n", grid([None, 7, 64], [1, 9, 1000],
                                           covering=[(None, 9), (7, 1), (7, 1000), (64, 9)]))
 def test_level_and_bit_primitives(n, bucket):
@@ -527,6 +593,7 @@ FIXED_WIDTH = [
     "randk-multiscale:ratio=0.5", "terngrad", "terngrad:pack=2bit,bucket=100",
     "terngrad:clip=none,bucket=33", "randk-maxnorm:ratio=0.3", "orq", "orq:levels=3,bucket=100",
     "linear:levels=9", "bingrad-b", "signsgd", "onebit:ef=0", "bingrad-pb",
+    "randk-maxnorm:ratio=0.01",   # (selected by the Triton candidate pass from about 2,100 values on)
 ]
 
 
@@ -739,6 +806,26 @@ def test_gpu_terngrad_statistics_of_many_blocks(launches, monkeypatch):
             bound, top = T.terngrad_stats(xc, 2.5, None)
             assert same(sigma.cpu().reshape(1), want[0].reshape(1)), (n, float(sigma), float(want[0]))
             assert float(bound) == want[1][0] and same(top.cpu(), want[1][1]), (n, float(bound), want[1])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_random_subset_equals_the_cpu():
+    """RandK's selection on CUDA (the Triton candidate pass: programs append their candidates in
+    whatever order they run) is the CPU reference's, five times over for 25M values; and at its
+    peak it holds the candidates and their sorts, 24 bytes a selected index and some rounding (at
+    most 32 here), not the reference's 8 bytes a coordinate."""
+    for n, k, seed, reps in ((25_000_000, 250_000, 3, 5), (1 << 20, 62_000, -1, 1), (300_001, 3_000, 2**63 - 1, 1)):
+        want = R.random_subset(n, k, seed)
+        for _ in range(reps):
+            got = kernels.random_subset(n, k, seed, "cuda")
+            assert got.is_cuda and torch.equal(got.cpu(), want), (n, k, seed)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    idx = kernels.random_subset(25_000_000, 250_000, 4, "cuda")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 32 * idx.numel(), torch.cuda.max_memory_allocated() - base
 
 
 @pytest.mark.gpu

@@ -45,7 +45,7 @@ from ..errors import PayloadError  # noqa: E402
 #: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
-VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap")
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap", "limit")
 
 
 def _jit(fn):
@@ -102,6 +102,9 @@ TUNING = {
     "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
     "maxabs_elems": 4096,   # values a program in the max-abs pass (MaxNorm's, MultiScale's, bucketed TernGrad's)
     "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (not yet on a GPU); 2, a merge tree
+    "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (not yet on a GPU); 2, torch's topk of n keys
+    "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
+    "subset_warps": 4,      # against 182 with 4,096)
 }
 
 

@@ -14,7 +14,8 @@ The backend is four modules, and this one exports all of their functions:
   one-bit family;
 * :mod:`.triton_multiscale`: MultiScale;
 * :mod:`.triton_common`: the interpreter switch, the launch settings, the device helpers they share
-  and the argument checks (and :mod:`.triton_elias`, the Elias stream, which the QSGD quantizer calls).
+  and the argument checks (and :mod:`.triton_elias`, the Elias stream, which the QSGD quantizer calls,
+  and :mod:`.triton_subset`, RandK's shared subset, which :func:`gradq.kernels.random_subset` calls).
 
 How the kernels reproduce the reference:
 
@@ -42,7 +43,7 @@ How the kernels reproduce the reference:
 
 Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
 the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
-count per call, and TernGrad's clip bound is a host float.
+count per call, and RandK's subset reads its count of candidates once per new shared seed.
 """
 
 from __future__ import annotations
