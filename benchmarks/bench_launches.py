@@ -46,6 +46,7 @@ from gradq.kernels import triton_common as C  # noqa: E402
 from gradq.kernels import triton_levels as L  # noqa: E402
 from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
+from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
@@ -123,7 +124,7 @@ def counts(fn) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, L, M, S)
+    mods = (C, T, L, M, S, X)
     for m in mods:
         m._launch = counting
     try:

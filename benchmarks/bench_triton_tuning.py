@@ -17,7 +17,7 @@ of the shipped settings:
 4-bit QSGD decode.
 
     python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
-        [--groups stats passes moments maxabs subset fused groups sort orq elias]
+        [--groups stats passes moments maxabs subset fused groups sort orq elias crc]
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ GROUPS = {
              [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (1, 2, 4, 8)]),
     "orq": (["orq:levels=5", "orq:levels=9"], "_orq_levels_kernel",
             [dict(orq_warp_elems=e) for e in (32, 64, 128, 256, 512)]),
+    "crc": (["qsgd:bits=4,coding=elias"], "_crc32_kernel",
+            [dict(crc_words=e, crc_warps=w) for e in (256, 1024, 4096) for w in (2, 4, 8)]),
     "elias": (["qsgd:bits=4,coding=elias", "qsgd:bits=8,coding=elias"], "_elias_\\w+_kernel",
               [dict(elias_warps=w) for w in (2, 4, 8, 16)]),
 }

@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_elias as E
     from gradq.kernels import triton_levels as L
     from gradq.kernels import triton_multiscale as M
+    from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_subset as S
 
     assert not T.INTERPRETED
@@ -131,6 +132,10 @@ SCRIPT = textwrap.dedent('''
     ] + [
         ("_subset_candidates_kernel", dict(keys_ptr=PI64, count_ptr=P32, n=I, k1=I, k2=I, limit="i32", cap=I,
          BLOCK=C), dict(BLOCK=1024), False),
+    ] + [
+        ("_crc32_kernel", dict(data_ptr=P8, out_ptr=P32, tab_ptr=P32, L=I, pad=I, tail="i32", W=C, NBITS=C),
+         dict(W=w, NBITS=nbits), False)
+        for w, nbits in [(1024, 12), (1, 4)]
     ]
 
 
@@ -141,7 +146,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, M, E, S) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, M, E, S, X) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -180,11 +185,12 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_elias as E
     from gradq.kernels import triton_levels as L
     from gradq.kernels import triton_multiscale as M
+    from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_subset as S
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, M, E, S) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, M, E, S, X) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

@@ -12,6 +12,7 @@ import torch
 
 import gradq
 from gradq import kernels
+from gradq.codecs import ans
 from gradq.codecs.qsgd_stream import encode_fields_stream
 
 T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
@@ -64,7 +65,8 @@ def test_block_prefix_sums_across_many_tiles(monkeypatch):
                                   "qsgd:levels=100,coding=elias-dense"])
 def test_elias_coded_qsgd_on_the_triton_backend(spec):
     """Elias-coded QSGD through the Triton backend (the path of CUDA tensors): the stream comes from
-    the Triton builder and the payload equals the CPU's."""
+    the Triton builder, its CRC-32 from the device kernel (zlib on the host is not called), and the
+    payload equals the CPU's."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5000, generator=g) * torch.exp(2 * torch.randn(5000, generator=g))
     x[::7] = 0.0
@@ -76,13 +78,18 @@ def test_elias_coded_qsgd_on_the_triton_backend(spec):
         calls.append(1)
         return real(*args, **kwargs)
 
+    def host_crc(*args):
+        raise AssertionError("the CRC-32 was computed on the host")
+
     was = kernels.get_backend()
     E.encode_fields_stream = spy
+    real_crc, ans.crc_field = ans.crc_field, host_crc
     try:
         kernels.set_backend("triton")
         enc = q.encode(x, seed=3)
     finally:
         E.encode_fields_stream = real
+        ans.crc_field = real_crc
         kernels.set_backend(was)
     assert calls
     ref = q.encode(x, seed=3)

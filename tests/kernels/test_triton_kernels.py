@@ -314,6 +314,64 @@ def test_random_subset_in_triton_falls_back_to_the_reference(case, monkeypatch):
             S.random_subset(n, bad, seed)
 
 
+def _zlib(*parts: torch.Tensor) -> int:
+    import zlib
+
+    crc = 0
+    for t in parts:
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def test_crc_arithmetic_on_the_host():
+    """The identity the device CRC rests on: zlib's CRC-32 is ``lin(M)`` (register from 0, no
+    inversion), XOR the constant of the length; ``lin`` of a message is the XOR of each word times
+    x to the power of its distance from the end, whatever leading zero bytes it has."""
+    from gradq.kernels import triton_crc as X
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 4, 5, 16, 17, 100, 257):
+        m = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        padded = bytes((-n) % 4) + bytes(m.tolist())
+        lin = 0
+        for j in range(0, len(padded), 4):
+            word = int.from_bytes(padded[j:j + 4], "little")
+            lin ^= X._mulmod_host(X._xpow8_host(len(padded) - j), word)
+        assert lin ^ X.crc_constant(n) == _zlib(m), n
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("words", [1, 4, 16, 1024])
+def test_crc32_in_triton(words, monkeypatch):
+    """The device CRC-32 equals zlib's, for messages of one tensor or several, of any dtype, empty
+    parts, lengths around a block (``4·words`` bytes) and many blocks."""
+    from gradq.kernels import triton_crc as X
+
+    monkeypatch.setitem(T.TUNING, "crc_words", words)
+    g = torch.Generator().manual_seed(words)
+    block = 4 * words
+    for sizes in ([1], [3], [block - 1], [block], [block + 1], [7 * block + 3], [0, 5], [block, 0, 9, 2 * block + 1]):
+        parts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        got = X.crc32_field(parts)
+        assert got.dtype == torch.int32 and got.shape == (1,)
+        assert int(got) & 0xFFFFFFFF == _zlib(*parts), sizes
+    parts = [torch.randn(33, generator=g), torch.tensor([3, -1], dtype=torch.int64), torch.arange(5, dtype=torch.int32)]
+    assert int(X.crc32_field(parts)) & 0xFFFFFFFF == _zlib(*parts)
+
+
+def test_crc32_field_dispatch(triton_backend):
+    """``kernels.crc32_field``: the device kernel on the Triton backend, zlib on the host otherwise;
+    the same int32 either way, on the first tensor's device."""
+    from gradq.codecs.ans import crc_field
+
+    parts = (torch.arange(1000, dtype=torch.int16), torch.tensor([7], dtype=torch.int64))
+    got = kernels.crc32_field(*parts)
+    kernels.set_backend("torch")
+    assert torch.equal(got, kernels.crc32_field(*parts)) and torch.equal(got, crc_field(*parts))
+    with pytest.raises(ValueError, match="at least one"):
+        kernels.crc32_field()
+
+
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("spec", ["randk-maxnorm:ratio=0.001,bits=4", "randk-multiscale:k=150,rescale=1"])
 def test_global_randk_selects_in_triton(spec, triton_backend, monkeypatch):
@@ -610,6 +668,8 @@ def test_schemes_give_the_reference_bytes(spec, kind, triton_backend):
     assert kernels.backend_for(x) == "triton"
     enc = q.encode(x, seed=7)
     dec = q.decode(enc)
+    into = torch.full_like(x, float("nan"))
+    assert q.decode(enc, out=into) is into and same(into, dec)   # (the kernels' own decode into out=)
     mean = q.decode_mean([enc, q.encode(x * 2, seed=8)])
     kernels.set_backend("torch")
     ref = q.encode(x, seed=7)
@@ -667,14 +727,16 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("spec", FIXED_WIDTH)
 @pytest.mark.parametrize("kind", ["edge cases", "gradient-like"])
 def test_gpu_bytes_equal_the_cpu_reference(spec, kind):
-    """On CUDA the default backend is Triton, and its bytes, decodes and decode_mean equal the CPU's:
-    on the edge-case data (whose huge values zero most codes) and on gradient-like values (every
-    code and every rounding draw in play)."""
+    """On CUDA the default backend is Triton, and its bytes, decodes (also into ``out=``) and
+    decode_mean equal the CPU's: on the edge-case data (whose huge values zero most codes) and on
+    gradient-like values (every code and every rounding draw in play)."""
     x = gpu_input(kind, 300_001, 9)
     q = gradq.build(spec)
     assert kernels.backend_for(x.cuda()) == "triton"
     enc = q.encode(x.cuda(), seed=5)
     dec = q.decode(enc)
+    into = torch.full_like(x, float("nan"), device="cuda")
+    assert q.decode(enc, out=into) is into and same_decode(into.cpu(), dec.cpu())   # (decode into out=)
     mean = q.decode_mean([enc, q.encode(x.cuda() * 2, seed=6)])
     was = kernels.get_backend()
     kernels.set_backend("torch")
@@ -826,6 +888,27 @@ def test_gpu_random_subset_equals_the_cpu():
     idx = kernels.random_subset(25_000_000, 250_000, 4, "cuda")
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= 32 * idx.numel(), torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_crc32_equals_zlib():
+    """The device CRC-32 on CUDA (programs XOR their blocks' shares in whatever order they finish)
+    equals zlib's, for 12 MB in one tensor (about an Elias stream of 25M values) and for several
+    tensors, and never waits for the device on the host."""
+    g = torch.Generator().manual_seed(1)
+    for sizes in ([12_500_003], [1, 4096 * 3 + 1, 0, 77]):
+        parts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        want = _zlib(*parts)
+        dev = [t.cuda() for t in parts]
+        kernels.crc32_field(*dev)            # (compiles the kernel)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = kernels.crc32_field(*dev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert got.is_cuda and int(got) & 0xFFFFFFFF == want, sizes
 
 
 @pytest.mark.gpu

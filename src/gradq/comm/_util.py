@@ -240,7 +240,9 @@ SEAL_BYTES = 4
 
 def seal_bytes(device: torch.device, checksum: bool) -> int:
     """Trailer bytes per payload: :data:`SEAL_BYTES` for CPU payloads with ``checksum``, else 0.
-    (CUDA payloads carry none yet: computing it would copy every payload to the host.)"""
+    (CUDA payloads carry none yet. :func:`gradq.kernels.crc32_field` computes the CRC on the
+    device, but checking it on arrival without a host read per payload would need the damage
+    count kept on the device until the step's last collective, which is not built.)"""
     return SEAL_BYTES if checksum and device.type == "cpu" else 0
 
 

@@ -46,7 +46,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "elias_fields_stream"]
+           "multiscale_decode", "random_subset", "elias_fields_stream", "crc32_field"]
 
 RngLike = Union[RandomStream, int]
 
@@ -390,6 +390,21 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
         from . import triton_subset
         return triton_subset.random_subset(n, k, seed, device)
     return (subset if b == "numba" else reference).random_subset(n, k, seed, device)
+
+
+def crc32_field(*parts: torch.Tensor) -> torch.Tensor:
+    """zlib's CRC-32 of the parts' bytes, in order, as one int32 (the unsigned checksum's bits) on the
+    first part's device. With the Triton backend it is computed there, with no copy to the host
+    (:mod:`gradq.kernels.triton_crc`); elsewhere zlib runs on the host
+    (:func:`gradq.codecs.ans.crc_field`)."""
+    if not parts:
+        raise ValueError("crc32_field needs at least one tensor")
+    device = parts[0].device
+    if backend_for(parts[0]) == "triton" and all(t.device == device for t in parts):
+        from . import triton_crc
+        return triton_crc.crc32_field(parts)
+    from ..codecs.ans import crc_field
+    return crc_field(*parts).to(device)
 
 
 def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

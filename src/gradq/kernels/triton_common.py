@@ -45,7 +45,8 @@ from ..errors import PayloadError  # noqa: E402
 #: integer argument equals 1 (passed as a constant, on which ``s.to(...)`` fails) or is divisible by
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
-VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap", "limit")
+VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap", "limit", "pad",
+              "tail")
 
 
 def _jit(fn):
@@ -105,6 +106,8 @@ TUNING = {
     "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (not yet on a GPU); 2, torch's topk of n keys
     "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
     "subset_warps": 4,      # against 182 with 4,096)
+    "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)
+    "crc_warps": 8,         # (63 registers a thread at sm_90; 161 with 4 warps)
 }
 
 

@@ -191,8 +191,8 @@ class QSGD(Quantizer):
     @staticmethod
     def _stream_payload(stream: torch.Tensor, index: torch.Tensor, scales: torch.Tensor,
                         device: torch.device) -> dict[str, torch.Tensor]:
-        return {"stream": stream.to(device), "index": index.to(device), "scales": scales,
-                "crc": crc_field(stream, index).to(device)}
+        stream, index = stream.to(device), index.to(device)
+        return {"stream": stream, "index": index, "scales": scales, "crc": kernels.crc32_field(stream, index)}
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         if self.coding == "fixed":
@@ -222,7 +222,7 @@ class QSGD(Quantizer):
 
     def _check_crc(self, fields: Mapping[str, torch.Tensor], numel: int) -> None:
         names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
-        if not torch.equal(crc_field(*(fields[k] for k in names)), fields["crc"].cpu()):
+        if not torch.equal(kernels.crc32_field(*(fields[k] for k in names)).cpu(), fields["crc"].cpu()):
             raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
                                "(truncated, extended or altered bytes)")
 
