@@ -44,7 +44,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 #: group -> (specs, the kernel the settings govern, alternatives)
 GROUPS = {
     "stats": (["signsgd", "onebit:ef=0", "bingrad-b"], "_binary_stats_kernel",
-              [dict(stats_elems=e, stats_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+              [dict(stats_elems=e, stats_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "passes": (["signsgd", "onebit:ef=0", "bingrad-b"], "_(binary_stats|threshold)_kernel",
                [dict(stats_passes=p) for p in (1, 2)]),
     "moments": (["terngrad", "terngrad:pack=2bit"], "_(block|merge)_moments_kernel",
@@ -54,9 +54,9 @@ GROUPS = {
     "subset": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"],
                "_subset_candidates_kernel",
                [dict(subset_path=2)] + [dict(subset_path=1, subset_elems=e, subset_warps=w)
-                                         for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+                                         for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
-              [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]),
+              [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",
                [dict(groups=g, groups_warps=w) for g in (64, 128, 256) for w in (1, 2, 4, 8)]),
     "sort": (["linear:levels=5", "bingrad-pb"], "_(linear_levels|pb_level)_kernel",
