@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ..random import _i32
 from .triton_common import TUNING, _jit, _launch, tl, triton
 
 _POLY = 0xEDB88320           # zlib's CRC-32 polynomial, reflected
@@ -68,10 +69,6 @@ def crc_constant(nbytes: int) -> int:
     return _mulmod_host(_xpow8_host(nbytes), 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 32) if v >= (1 << 31) else v
-
-
 _TABLES: dict = {}
 
 
@@ -86,7 +83,7 @@ def _table(words: int, device: torch.device) -> torch.Tensor:
         for _ in range(words - 1):
             pw.append(_mulmod_host(pw[-1], x32))
         vals = pw[::-1] + _squares(_xpow8_host(4 * words), _BLOCKS_BITS)
-        _TABLES[key] = torch.tensor([_signed(v) for v in vals], dtype=torch.int32, device=device)
+        _TABLES[key] = torch.tensor([_i32(v) for v in vals], dtype=torch.int32, device=device)
     return _TABLES[key]
 
 
@@ -135,7 +132,7 @@ def crc32_field(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     device = parts[0].device
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in parts]
     total = sum(t.numel() for t in flat)
-    out = torch.full((1,), _signed(crc_constant(total)), dtype=torch.int32, device=device)
+    out = torch.full((1,), _i32(crc_constant(total)), dtype=torch.int32, device=device)
     words = TUNING["crc_words"]
     table = _table(words, device)
     after = total
@@ -149,6 +146,6 @@ def crc32_field(parts: Sequence[torch.Tensor]) -> torch.Tensor:
                              f"{1 << _BLOCKS_BITS} blocks")
         # (NBITS rounded up to a multiple of 4: a few compiled variants, not one a length)
         _launch(_crc32_kernel, (nb,), t, out, table, t.numel(), nb * 4 * words - t.numel(),
-                _signed(_xpow8_host(after)), W=words, NBITS=max(4, -(-(nb - 1).bit_length() // 4) * 4),
+                _i32(_xpow8_host(after)), W=words, NBITS=max(4, -(-(nb - 1).bit_length() // 4) * 4),
                 num_warps=TUNING["crc_warps"])
     return out

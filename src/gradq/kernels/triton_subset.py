@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..random import RandomStream
 from . import reference
 from .subset import _candidate_limit, _candidate_room
 from .triton_common import TUNING, _grid, _jit, _launch, _mix32, tl
@@ -51,8 +52,6 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     """As :func:`gradq.kernels.reference.random_subset`: the sorted int64 indices of the ``k``
     smallest keys, from the candidates below a threshold (module docstring), or from the reference
     where they cannot decide."""
-    from ..random import RandomStream
-
     if k < 0 or k > n:
         raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
     use = 0 < k < n < (1 << 31) and TUNING["subset_path"] == 1
@@ -64,7 +63,7 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     keys = torch.empty(cap, dtype=torch.int64, device=device)
     count = torch.zeros(1, dtype=torch.int32, device=device)
     block = TUNING["subset_elems"]
-    _launch(_subset_candidates_kernel, _grid(n, block), keys, count, n, st.k1 & _LOW32, st.k2 & _LOW32,
+    _launch(_subset_candidates_kernel, _grid(n, block), keys, count, n, st.k1, st.k2,
             limit, cap, BLOCK=block, num_warps=TUNING["subset_warps"])
     got = int(count.item())
     if got < k or got > cap:
