@@ -61,6 +61,23 @@ def test_block_prefix_sums_across_many_tiles(monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_gaps_at_the_edges_of_rows_of_lanes():
+    """A gap is found from the last nonzero before each lane, within rows of 32 lanes and then
+    across the rows (``_prev_nonzero``): nonzeros at the first and last lane of rows and blocks,
+    a gap that spans whole rows, a block whose first nonzero is its last lane, followed by one whose
+    first is its first lane, and one whose only nonzeros are in its first row; both layouts, byte for
+    byte the serial writer's."""
+    B = E.BLOCK
+    n = 4 * B
+    fields = torch.full((n,), 3, dtype=torch.uint8)             # s = 3: all zero codes
+    for pos in [0, 31, 32, 63, 64, 65, 95, 96 + 31 * 5, B - 1, B, 2 * B - 1, 3 * B + 1, 3 * B + 2]:
+        fields[pos] = 5 if pos % 2 else 0
+    for layout in ("sparse", "dense"):
+        got, want = E.encode_fields_stream(fields, 3, layout), encode_fields_stream(fields, 3, layout, index=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), layout
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse",
                                   "qsgd:levels=100,coding=elias-dense"])
 def test_elias_coded_qsgd_on_the_triton_backend(spec):

@@ -18,9 +18,10 @@ through memory. Here the fields are read twice and nothing of the input's size i
    that memory holds the stream's big-endian bytes. A block that starts a chunk of 2**18 values
    writes the chunk's row of the index (:mod:`gradq.codecs.qsgd_chunks`).
 
-Only sums and histograms run along a block (no scans with operators of their own, which the
-interpreter runs element by element): a gap is the number of lanes that share a running count of
-nonzeros.
+Only sums, maxima and gathers run along a block (no histogram, whose bins cost shared-memory
+atomics, and no scan with an operator of its own, which the interpreter runs element by element):
+a gap comes from the last nonzero before each lane, by doubling steps within rows of 32 lanes
+(:func:`_prev_nonzero`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["encode_fields_stream"]
 
 #: fields a program, in both passes (a power of two that divides the chunk length)
 BLOCK = 1024
-assert CHUNK % BLOCK == 0
+assert CHUNK % BLOCK == 0 and BLOCK % 32 == 0
 #: blocks a tile of the prefix sums over the blocks' counts (and tiles a step of the scan over the
 #: tiles); with four warps a program, 96–224 registers a thread and no spills for sm_90
 _TILE = 64
@@ -96,35 +97,54 @@ def _write_words(words_ptr, code, length, offset, col, BLOCK: tl.constexpr, PART
     Codes never share a bit, so a word's OR is its sum, and the parts bound for one word (a run of
     lanes with the same word) add up as a difference of running sums: the run's last lane adds the
     running sum, its first lane subtracts the sum before it. Two atomic adds a word and part, in
-    int32 arithmetic that wraps, which is exact modulo 2**32."""
+    int32 arithmetic that wraps, which is exact modulo 2**32 (the running sums are int32 too).
+
+    A part's word is the lane's first word plus the part's number, so the runs are those of the
+    first words for every part. A lane ends its run where the next lane's code starts in another
+    word (at ``offset + length``: no neighbour read); it starts one where the lane before it
+    started in another (one gather of the first words, as int32: within a block they differ by
+    less than 2**32, so the low halves compare as the words do)."""
     w0 = offset >> 5
+    w32 = w0.to(tl.int32)
+    last = (col == BLOCK - 1) | (w32 != ((offset + length) >> 5).to(tl.int32))
+    first = (col == 0) | (w32 != tl.gather(w32, tl.maximum(col - 1, 0), 0))
     total = (offset & 31) + length
-    nxt = tl.minimum(col + 1, BLOCK - 1)
-    prv = tl.maximum(col - 1, 0)
     for j in tl.static_range(PARTS):
         d = total - 32 - 32 * j                           # shift right by d (d ≥ 0) or left by −d
         right = (code >> tl.minimum(tl.maximum(d, 0), 63)) & 0xFFFFFFFF
         left = (code << tl.minimum(tl.maximum(-d, 0), 63)) & 0xFFFFFFFF
-        part = _bswap32(tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0))
-        run = tl.cumsum(part, 0)                          # int64: at most 2**42
-        key = w0 + j
-        last = (col == BLOCK - 1) | (key != tl.gather(key, nxt, 0))
-        first = (col == 0) | (key != tl.gather(key, prv, 0))
-        add = (tl.where(last, run, 0) - tl.where(first, run - part, 0)).to(tl.int32)
+        part = _bswap32(tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0)).to(tl.int32)
+        run = tl.cumsum(part, 0)                          # modulo 2**32
+        add = tl.where(last, run, 0) - tl.where(first, run - part, 0)
         on = add != 0
-        tl.atomic_add(words_ptr + tl.where(on, key, 0), add, mask=on)
+        tl.atomic_add(words_ptr + tl.where(on, w0 + j, 0), add, mask=on)
+
+
+@_jit
+def _prev_nonzero(nz, BLOCK: tl.constexpr):
+    """Per lane, the column of the last nonzero lane before it (−1: none), an exclusive running
+    maximum: within rows of 32 lanes by a shift and five doubling steps (gathers along a row, which
+    stay inside a warp), then the greatest nonzero column of the earlier rows (a ``[R, R]``
+    maximum). No histogram, no scan with an operator of its own."""
+    R: tl.constexpr = BLOCK // 32
+    c = tl.arange(0, 32)[None, :] + tl.zeros((R, 32), tl.int32)
+    r = tl.arange(0, R)
+    q = tl.reshape(tl.where(nz, tl.arange(0, BLOCK), -1), (R, 32))
+    m = tl.where(c >= 1, tl.gather(q, tl.maximum(c - 1, 0), 1), -1)
+    for k in tl.static_range(5):
+        m = tl.where(c >= (1 << k), tl.maximum(m, tl.gather(m, tl.maximum(c - (1 << k), 0), 1)), m)
+    rows = tl.max(q, axis=1)
+    carry = tl.max(tl.where(r[None, :] < r[:, None], rows[None, :], -1), axis=1)
+    return tl.reshape(tl.maximum(m, carry[:, None]), (BLOCK,))
 
 
 @_jit
 def _gaps(nz, col, pos, before, BLOCK: tl.constexpr):
-    """Per nonzero lane, the distance to the nonzero before it; for the block's first, to position
-    ``before`` (the last nonzero of earlier blocks, −1: none); 1 elsewhere. The lanes whose running
-    count of nonzeros is ``r − 1`` are exactly those from the ``(r − 1)``-th nonzero up to the
-    ``r``-th, so a histogram of the counts gives every gap."""
-    rank = tl.cumsum(nz.to(tl.int32), 0)
-    runs = tl.histogram(rank, 2 * BLOCK)
-    gap = tl.gather(runs, tl.maximum(rank - 1, 0), 0).to(tl.int64)
-    return tl.where(nz, tl.where(rank == 1, pos - before, gap), 1)
+    """Per nonzero lane, the distance to the nonzero before it (:func:`_prev_nonzero`); for the
+    block's first, to position ``before`` (the last nonzero of earlier blocks, −1: none); 1
+    elsewhere (int64)."""
+    prev = _prev_nonzero(nz, BLOCK)
+    return tl.where(nz, tl.where(prev < 0, pos - before, (col - prev).to(tl.int64)), 1)
 
 
 # == kernels ======================================================================================
