@@ -429,8 +429,10 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, LG_FULL, LG_TAIL, L: tl.constex
     After a round the index becomes ``2·ids + (value ≥ new level)``, which is the reference's
     ``searchsorted(right) − 1`` against the interleaved levels: a new level lies inside its
     interval. Segment counts and starts come from histograms of the indices (no scan with an
-    operator of its own, which the interpreter runs element by element); the one ``[P, LP]`` sum a
-    round is the segments' fixed-point totals. Levels are kept as bit patterns in ``[LP]``
+    operator of its own, which the interpreter runs element by element). A segment is a run of the
+    sorted row, so its fixed-point total is the difference of two running sums of the row (one
+    ``cumsum`` before the rounds, two gathers a round; int64 sums wrap exactly and every true
+    total fits), not a ``[P, LP]`` sum a round. Levels are kept as bit patterns in ``[LP]``
     (``LP ≥ L``, a power of two) and moved with gathers, never rounded. ``LG_FULL``/``LG_TAIL``:
     ``⌈log2 d⌉`` of a full and of the last bucket."""
     r = tl.program_id(0).to(tl.int64)
@@ -451,6 +453,7 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, LG_FULL, LG_TAIL, L: tl.constex
     sh = 61 - e - tl.where(width == bucket, LG_FULL, LG_TAIL)
     p2 = ((sh + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
     fix = tl.where(ok, tl.floor(srt.to(tl.float64) * p2).to(tl.int64), 0)
+    run = tl.cumsum(fix, 0)                    # a segment's total: a difference of two of these
     lvk = tl.where(j == 0, lo_bits, tl.where(j == 1, hi_bits, 0))      # 2 levels so far
     ids = tl.zeros([P], dtype=tl.int32)
     for it in tl.static_range(ITER):
@@ -469,7 +472,9 @@ def _orq_levels_kernel(x_ptr, lv_ptr, n, bucket, LG_FULL, LG_TAIL, L: tl.constex
         first = tl.gather(first, j, 0)
         at_lo = tl.gather(at_lo, j, 0)
         at_hi = tl.gather(at_hi, j, 0)
-        total = tl.sum(tl.where(seg[:, None] == j[None, :], fix[:, None], 0), axis=0)
+        end = tl.gather(run, tl.minimum(tl.maximum(first + cnt.to(tl.int32) - 1, 0), P - 1), 0)
+        head = tl.gather(run, tl.maximum(first - 1, 0), 0)
+        total = tl.where(cnt > 0, end - tl.where(first > 0, head, 0), 0)
         a_fix = tl.floor(lv.to(tl.float64) * p2).to(tl.int64)
         b_fix = tl.floor(hi.to(tl.float64) * p2).to(tl.int64)
         gap = b_fix - a_fix
