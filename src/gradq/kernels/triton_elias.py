@@ -89,10 +89,11 @@ def _bswap32(v):
 
 
 @_jit
-def _write_words(words_ptr, code, length, offset, col, BLOCK: tl.constexpr, PARTS: tl.constexpr):
-    """Add every code (``length ≤ 63`` bits, most significant first at bit ``offset`` of the stream;
-    offsets non-decreasing along ``col``; length 0 for lanes without a code) into the byte-swapped
-    32-bit words it touches.
+def _write_words(words_ptr, code, length, wbase, lead, col, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """Add every code (``length ≤ 63`` bits, int32; length 0 for lanes without a code) into the
+    byte-swapped 32-bit words it touches. The codes follow one another from bit ``lead`` (< 32) of
+    word ``wbase``, most significant bit first: a block's codes span fewer than 2**31 bits, so
+    their offsets from there are an int32 running sum.
 
     Codes never share a bit, so a word's OR is its sum, and the parts bound for one word (a run of
     lanes with the same word) add up as a difference of running sums: the run's last lane adds the
@@ -102,12 +103,11 @@ def _write_words(words_ptr, code, length, offset, col, BLOCK: tl.constexpr, PART
     A part's word is the lane's first word plus the part's number, so the runs are those of the
     first words for every part. A lane ends its run where the next lane's code starts in another
     word (at ``offset + length``: no neighbour read); it starts one where the lane before it
-    started in another (one gather of the first words, as int32: within a block they differ by
-    less than 2**32, so the low halves compare as the words do)."""
+    started in another (one gather of the first words)."""
+    offset = lead + tl.cumsum(length, 0) - length
     w0 = offset >> 5
-    w32 = w0.to(tl.int32)
-    last = (col == BLOCK - 1) | (w32 != ((offset + length) >> 5).to(tl.int32))
-    first = (col == 0) | (w32 != tl.gather(w32, tl.maximum(col - 1, 0), 0))
+    last = (col == BLOCK - 1) | (w0 != ((offset + length) >> 5))
+    first = (col == 0) | (w0 != tl.gather(w0, tl.maximum(col - 1, 0), 0))
     total = (offset & 31) + length
     for j in tl.static_range(PARTS):
         d = total - 32 - 32 * j                           # shift right by d (d ≥ 0) or left by −d
@@ -117,7 +117,7 @@ def _write_words(words_ptr, code, length, offset, col, BLOCK: tl.constexpr, PART
         run = tl.cumsum(part, 0)                          # modulo 2**32
         add = tl.where(last, run, 0) - tl.where(first, run - part, 0)
         on = add != 0
-        tl.atomic_add(words_ptr + tl.where(on, w0 + j, 0), add, mask=on)
+        tl.atomic_add(words_ptr + wbase + tl.where(on, w0 + j, 0), add, mask=on)
 
 
 @_jit
@@ -161,18 +161,20 @@ def _elias_count_kernel(f_ptr, sl_ptr, dl_ptr, ol_ptr, stats_ptr, n, s, BLOCK: t
     bad = ok & (f > 2 * s)
     fs = tl.where(ok & ~bad, f, s)                       # (a bad field makes the call fail: read as zero)
     nz = fs != s
-    first = tl.min(tl.where(nz, pos, n), axis=0)
-    gap_len = _omega_len(_gaps(nz, col, pos, first - 1, BLOCK), ol_ptr, SMALL)   # (the first: unused)
-    dense = tl.sum(tl.where(ok, tl.load(dl_ptr + fs), 0).to(tl.int64), axis=0)
-    rest = tl.sum(tl.where(nz, tl.load(sl_ptr + fs).to(tl.int64) + tl.where(pos > first, gap_len, 0), 0), axis=0)
-    last = tl.max(tl.where(nz, pos, -1), axis=0)
+    # a block's counts fit int32 (at most 1,024 items of at most 56 bits)
+    prev = _prev_nonzero(nz, BLOCK)
+    gap_len = _omega_len(tl.where(prev >= 0, col - prev, 1), ol_ptr, SMALL).to(tl.int32)   # (the first's: later)
+    dense = tl.sum(tl.where(ok, tl.load(dl_ptr + fs), 0), axis=0)
+    rest = tl.sum(tl.where(nz, tl.load(sl_ptr + fs) + tl.where(prev >= 0, gap_len, 0), 0), axis=0)
+    first = tl.min(tl.where(nz, col, BLOCK), axis=0)
+    last = tl.max(tl.where(nz, col, -1), axis=0)
     out = stats_ptr + 6 * blk
-    tl.store(out, dense)
-    tl.store(out + 1, tl.sum(nz.to(tl.int64), axis=0))
-    tl.store(out + 2, rest)
-    tl.store(out + 3, tl.where(first < n, first, -1))
-    tl.store(out + 4, last)
-    tl.store(out + 5, tl.sum(bad.to(tl.int64), axis=0))
+    tl.store(out, dense.to(tl.int64))
+    tl.store(out + 1, tl.sum(nz.to(tl.int32), axis=0).to(tl.int64))
+    tl.store(out + 2, rest.to(tl.int64))
+    tl.store(out + 3, tl.where(first < BLOCK, blk * BLOCK + first, -1))
+    tl.store(out + 4, tl.where(last >= 0, blk * BLOCK + last, -1))
+    tl.store(out + 5, tl.sum(bad.to(tl.int32), axis=0).to(tl.int64))
 
 
 @_jit
@@ -303,17 +305,16 @@ def _elias_write_kernel(f_ptr, sc_ptr, sl_ptr, dc_ptr, dl_ptr, oc_ptr, ol_ptr, p
         nz = fs != s
         gap = _gaps(nz, col, pos, before, BLOCK)
         glen = _omega_len(gap, ol_ptr, SMALL)
-        mlen = tl.load(sl_ptr + fs).to(tl.int64)
-        length = tl.where(nz, glen + mlen, 0)
+        mlen = tl.load(sl_ptr + fs)
+        length = tl.where(nz, glen.to(tl.int32) + mlen, 0)
         code = (_omega_code(gap, oc_ptr, ol_ptr, SMALL) << mlen) | tl.load(sc_ptr + fs)
-        offset = bit0 + tl.cumsum(length, 0) - length
-        _write_words(words_ptr, code, length, offset, col, BLOCK, 3)    # items of up to 56 bits
+        _write_words(words_ptr, code, length, bit0 >> 5, (bit0 & 31).to(tl.int32), col, BLOCK, 3)   # ≤ 56 bits
         row = (bit0, tl.load(pre + 2), before + 1)
     else:
         bit0 = base + tl.load(pre + 1)
-        length = tl.where(ok, tl.load(dl_ptr + fs).to(tl.int64), 0)
-        offset = bit0 + tl.cumsum(length, 0) - length
-        _write_words(words_ptr, tl.load(dc_ptr + fs), length, offset, col, BLOCK, 2)   # up to 15 bits
+        length = tl.where(ok, tl.load(dl_ptr + fs), 0)
+        _write_words(words_ptr, tl.load(dc_ptr + fs), length, bit0 >> 5, (bit0 & 31).to(tl.int32), col, BLOCK,
+                     2)   # up to 15 bits
         row = (bit0, blk * BLOCK, blk * BLOCK)
     if blk == 0:
         tl.atomic_add(words_ptr, h0)
