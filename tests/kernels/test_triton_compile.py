@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_subset as S
+    from gradq.kernels import triton_elias_read as R
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -136,6 +137,12 @@ SCRIPT = textwrap.dedent('''
         ("_crc32_kernel", dict(data_ptr=P8, out_ptr=P32, tab_ptr=P32, L=I, pad=I, tail="i32", W=C, NBITS=C),
          dict(W=w, NBITS=nbits), False)
         for w, nbits in [(1024, 12), (1, 4)]
+    ] + [
+        ("_elias_read_kernel", dict(w_ptr=P32, tab_ptr=P32, start_ptr=PI64, act_ptr="*i8", end_ptr=PI64,
+         cnt_ptr=PI64, gsum_ptr=PI64, err_ptr=P32, fields_ptr=P8, base_ptr=PI64, pos_ptr=PI64, nbytes=I, nwords=I,
+         nseg=I, n=I, nitems=I, s="i32", b0=I, SEG=C, LANES=C, SPARSE=C, WRITE=C),
+         dict(SEG=256, LANES=32, SPARSE=sparse, WRITE=write), False)
+        for sparse in (True, False) for write in (True, False)
     ]
 
 
@@ -146,7 +153,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, M, E, S, X) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, M, E, S, X, R) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -188,9 +195,10 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_subset as S
+    from gradq.kernels import triton_elias_read as R
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, M, E, S, X) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, M, E, S, X, R) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

@@ -112,3 +112,113 @@ def test_elias_coded_qsgd_on_the_triton_backend(spec):
     ref = q.encode(x, seed=3)
     assert enc.same_bytes(ref)
     assert torch.equal(q.decode(enc).view(torch.int32), q.decode(ref).view(torch.int32))
+
+
+# -- the reader ----------------------------------------------------------------------------------
+from gradq.codecs import qsgd_stream  # noqa: E402
+from gradq.errors import PayloadError  # noqa: E402
+from gradq.kernels import triton_elias_read as R  # noqa: E402
+
+#: (s, n, density, layout): both layouts; magnitudes past the 12-bit table (s = 127); sparse gaps
+#: past its 2**16 (read code by code); one value; a stream of every value nonzero
+READ_CASES = [(7, 9000, 0.3, "dense"), (7, 9000, 0.3, "sparse"), (127, 3000, 0.5, "dense"),
+              (127, 2000, 0.2, "sparse"), (3, 200_000, 1e-4, "sparse"), (1, 1, 1.0, "dense"), (1, 1, 1.0, "sparse"),
+              (15, 4000, 1.0, "auto")]
+
+
+def _stream_of(s, n, density, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-s, s + 1, (n,), generator=g, dtype=torch.int32)
+    codes[torch.rand(n, generator=g) >= density] = 0
+    return encode_fields_stream((codes + s).to(torch.uint8), s, layout, index=True)
+
+
+@pytest.fixture
+def reader_shape(monkeypatch):
+    """Segments of 32 bits and programs of 1,024 lanes: the interpreter runs a program's lanes
+    together and its programs one after another, so few programs keep the tests short."""
+    from gradq.kernels import triton_common as C
+
+    monkeypatch.setitem(C.TUNING, "read_bits", 32)
+    monkeypatch.setitem(C.TUNING, "read_warps", 32)
+
+
+def _no_host_reader(*args, **kwargs):
+    raise AssertionError("the stream was read on the host")
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("case", range(len(READ_CASES)))
+def test_elias_stream_read_in_triton(case, reader_shape, monkeypatch):
+    """The Triton reader gives the host reader's fields, byte for byte, without calling it: both
+    layouts, items read from the table and code by code, gaps past 2**16, one value."""
+    s, n, density, layout = READ_CASES[case]
+    stream, index = _stream_of(s, n, density, layout, case)
+    want = qsgd_stream.decode_fields_stream(stream, n, s, index=index)
+    monkeypatch.setattr(qsgd_stream, "decode_fields_stream", _no_host_reader)
+    was = kernels.get_backend()
+    kernels.set_backend("triton")
+    try:
+        got = kernels.elias_stream_fields(stream, n, s, index)
+    finally:
+        kernels.set_backend(was)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_elias_reader_hands_over_what_it_does_not_accept(reader_shape, monkeypatch, full_tests):
+    """The Triton reader never calls a stream corrupt and never returns other fields than the host
+    reader's: for truncated and extended streams, non-zero padding and 8 single flipped bits (48
+    with ``--full``) it returns None (the host reader then raises) or the host reader's fields; a
+    stream whose guesses do not settle within ``_ROUNDS`` rounds goes to the host too; an empty
+    stream or no items as well."""
+    s, n = 7, 1500
+    stream, index = _stream_of(s, n, 0.3, "dense", 1)
+    damaged = [stream[:-1], torch.cat([stream, torch.zeros(1, dtype=torch.uint8)]), stream.clone()]
+    damaged[2][-1] |= 1
+    g = torch.Generator().manual_seed(5)
+    for bit in torch.randint(0, 8 * stream.numel(), (48 if full_tests else 8,), generator=g).tolist():
+        d = stream.clone()
+        d[bit // 8] ^= 1 << (7 - bit % 8)
+        damaged.append(d)
+    accepted = refused = 0
+    for d in damaged:
+        got = R.decode_fields_stream(d, n, s)
+        try:
+            want = qsgd_stream.decode_fields_stream(d, n, s)
+        except PayloadError:
+            assert got is None
+            refused += 1
+            continue
+        assert got is None or torch.equal(got, want)
+        accepted += got is not None
+    assert refused >= 3          # (at least the truncated, extended and padded ones)
+    monkeypatch.setattr(R, "_ROUNDS", 1)
+    assert R.decode_fields_stream(stream, n, s) is None
+    assert R.decode_fields_stream(stream[:0], n, s) is None
+    empty, _ = _stream_of(s, 100, 0.0, "sparse", 2)
+    assert R.decode_fields_stream(empty, 100, s) is None
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_elias_coded_qsgd_decodes_on_the_triton_backend(reader_shape, monkeypatch):
+    """Elias-coded QSGD decoded through the Triton backend (the path of CUDA tensors): the reader
+    on the device, not the host's, and the CPU's values bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6000, generator=g) * torch.exp(torch.randn(6000, generator=g))
+    for spec in ("qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse"):
+        q = gradq.build(spec)
+        enc = q.encode(x, seed=9)
+        want = q.decode(enc)
+        with monkeypatch.context() as m:
+            m.setattr(qsgd_stream, "decode_fields_stream", _no_host_reader)
+            was = kernels.get_backend()
+            kernels.set_backend("triton")
+            try:
+                got = q.decode(enc)
+                out = torch.empty_like(x)
+                q.decode(enc, out=out)
+            finally:
+                kernels.set_backend(was)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), spec
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), spec

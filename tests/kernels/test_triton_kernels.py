@@ -928,6 +928,30 @@ def test_gpu_elias_stream_equals_the_cpu(spec, kind):
     assert same_decode(q.decode(enc).cpu(), q.decode(ref))
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,coding=elias", "qsgd:bits=2,bucket=none,norm=l2,coding=elias-sparse",
+                                  "qsgd:bits=8,coding=elias-dense", "qsgd:bits=4,coding=elias-sparse"])
+def test_gpu_elias_stream_read_on_the_device(spec, monkeypatch):
+    """Elias-coded QSGD decoded on CUDA by the device's reader (the host's reader is not called),
+    4M gradient-like values, both layouts: the CPU's values bit for bit, into ``out=`` too."""
+    from gradq.codecs import qsgd_stream
+
+    x = gpu_input("gradient-like", 4_000_037, 13)
+    q = gradq.build(spec)
+    enc = q.encode(x.cuda(), seed=5)
+    want = q.decode(q.encode(x, seed=5))
+
+    def host_reader(*args, **kwargs):
+        raise AssertionError("the stream was read on the host")
+
+    monkeypatch.setattr(qsgd_stream, "decode_fields_stream", host_reader)
+    out = torch.empty(x.numel(), device="cuda")
+    q.decode(enc, out=out)
+    assert same_decode(q.decode(enc).cpu(), want)
+    assert same_decode(out.cpu(), want)
+
+
 def test_launch_settings_from_the_environment(tmp_path, monkeypatch):
     """GRADQ_TRITON_TUNING names a JSON file of launch settings (what bench_triton_tuning.py --best
     writes): known keys with powers of two replace the shipped ones; anything else is refused by name."""

@@ -46,7 +46,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "elias_fields_stream", "crc32_field"]
+           "multiscale_decode", "random_subset", "elias_fields_stream", "elias_stream_fields", "crc32_field"]
 
 RngLike = Union[RandomStream, int]
 
@@ -407,6 +407,23 @@ def crc32_field(*parts: torch.Tensor) -> torch.Tensor:
     return crc_field(*parts).to(device)
 
 
+def elias_stream_fields(stream: torch.Tensor, n: int, s: int, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ``n`` uint8 fields ``c + s`` of an Elias stream of QSGD codes (``1 ≤ s ≤ 127``), on the
+    stream's device, as :func:`gradq.codecs.qsgd_stream.decode_fields_stream` reads them (with the
+    chunk ``index``, its chunks in parallel). The Triton backend reads the stream on the device
+    (:mod:`gradq.kernels.triton_elias_read`) and hands anything it does not accept to that host
+    reader, which raises the error of a corrupt stream; other backends read it on the host."""
+    from ..codecs.qsgd_stream import decode_fields_stream  # numba-compiled; loaded on first use
+
+    if backend_for(stream) == "triton" and stream.dtype == torch.uint8 and stream.dim() == 1 and stream.numel():
+        from . import triton_elias_read
+
+        got = triton_elias_read.decode_fields_stream(stream, n, s)
+        if got is not None:
+            return got
+    return decode_fields_stream(stream, n, s, index=index).to(stream.device)
+
+
 def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The Elias stream of QSGD codes ``fields − s`` (uint8 fields, ``1 ≤ s ≤ 127``) and its chunk
     index, on the fields' device, byte for byte :func:`gradq.codecs.qsgd_stream.encode_fields_stream`
@@ -415,7 +432,7 @@ def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> t
     (:mod:`gradq.kernels.triton_elias`); other devices take tensor operations
     (:mod:`gradq.codecs.qsgd_stream_torch`)."""
     b = "torch" if fields.numel() == 0 else backend_for(fields)
-    if b == "triton" and all(hasattr(_triton().tl, op) for op in ("histogram", "gather")):
+    if b == "triton" and hasattr(_triton().tl, "gather"):
         from . import triton_elias
 
         return triton_elias.encode_fields_stream(fields, s, layout)

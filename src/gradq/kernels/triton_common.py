@@ -106,6 +106,8 @@ TUNING = {
     "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (not yet on a GPU); 2, torch's topk of n keys
     "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
     "subset_warps": 4,      # against 182 with 4,096)
+    "read_bits": 256,       # stream bits a lane in the Elias reader (gradq.kernels.triton_elias_read;
+    "read_warps": 1,        # 32 lanes a warp, not yet on a GPU)
     "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)
     "crc_warps": 8,         # (63 registers a thread at sm_90; 161 with 4 warps)
 }

@@ -201,7 +201,7 @@ class QSGD(Quantizer):
         if self.coding == "ans" or self.s > 127:
             return False
         if (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
-                and fields["scales"].device.type == "cpu" and numel > 0):
+                and fields["scales"].device.type == "cpu" and numel > 0 and kernels.backend_for(out) != "triton"):
             # decoded and dequantized chunk by chunk: no field array of the input's size
             from ..codecs.qsgd_stream import decode_stream_values
 
@@ -214,11 +214,10 @@ class QSGD(Quantizer):
         return True
 
     def _stream_fields(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        """The uint8 fields ``c + s`` of an Elias-coded payload (its CRC checked first)."""
-        from ..codecs.qsgd_stream import decode_fields_stream
-
+        """The uint8 fields ``c + s`` of an Elias-coded payload (its CRC checked first), on the
+        stream's device."""
         self._check_crc(fields, numel)
-        return decode_fields_stream(fields["stream"], numel, self.s, index=fields["index"])
+        return kernels.elias_stream_fields(fields["stream"], numel, self.s, fields["index"])
 
     def _check_crc(self, fields: Mapping[str, torch.Tensor], numel: int) -> None:
         names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
