@@ -140,8 +140,8 @@ SCRIPT = textwrap.dedent('''
     ] + [
         ("_elias_read_kernel", dict(w_ptr=P32, tab_ptr=P32, start_ptr=PI64, act_ptr="*i8", end_ptr=PI64,
          cnt_ptr=PI64, gsum_ptr=PI64, err_ptr=P32, fields_ptr=P8, base_ptr=PI64, pos_ptr=PI64, nbytes=I, nwords=I,
-         nseg=I, n=I, nitems=I, s="i32", b0=I, SEG=C, LANES=C, SPARSE=C, WRITE=C),
-         dict(SEG=256, LANES=32, SPARSE=sparse, WRITE=write), False)
+         nseg=I, n=I, nitems=I, s="i32", b0=I, SEG=C, LANES=C, SPARSE=C, WRITE=C, WIN=C),
+         dict(SEG=256, LANES=32, SPARSE=sparse, WRITE=write, WIN=12 if sparse else 16), False)
         for sparse in (True, False) for write in (True, False)
     ]
 

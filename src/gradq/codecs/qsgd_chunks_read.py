@@ -17,14 +17,12 @@ import numpy as np
 
 from .elias import ERR_INDEX, ERR_NNZ, ERR_TRUNCATED, OK, check_tail, raise_for_error
 from .qsgd_chunks import _COLS, CHUNK, index_len
-from .qsgd_fields import (_CHUNK, _IWIN, WIDE, _jit, _omega, _pjit, item_tables, prange, read_dense, read_sparse,
-                          wide_dense_table)
+from .qsgd_fields import (_CHUNK, _IWIN, WIDE, WIDE_FROM, _jit, _omega, _pjit, item_tables, prange, read_dense,
+                          read_sparse, wide_dense_table)
 
 __all__ = ["decode_fields"]
 
 
-#: fields above this (``s > 15``) read dense items through the 16-bit window
-_WIDE_FROM = 15
 _NO_TABLE = np.zeros(0, np.int32)
 
 
@@ -280,7 +278,7 @@ def decode_fields(buf: np.ndarray, n: int, s: int, idx: np.ndarray, out: Optiona
         out = np.empty(0, np.uint8)
         bucket = n if bucket is None else int(bucket)
     # dense items of wide fields mostly pass 12 bits: a 16-bit window for them (its table lives in L2)
-    wide = wide_dense_table(s) if not sparse and s > _WIDE_FROM else _NO_TABLE
+    wide = wide_dense_table(s) if not sparse and s > WIDE_FROM else _NO_TABLE
     _read_chunks(buf, pad, n, s, sparse_tab if sparse else dense_tab, wide, idx, sparse, start, nnz, out, values,
                  scales, bucket, errs, where)
     bad = np.flatnonzero(errs)

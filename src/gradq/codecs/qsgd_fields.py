@@ -44,7 +44,8 @@ except ImportError:  # pragma: no cover - the plain-Python fallback of gradq.cod
     _pjit = _inline = _jit
     prange = range
 
-__all__ = ["field_tables", "item_tables", "wide_dense_table", "read_sparse", "read_dense", "read_fields_fast"]
+__all__ = ["field_tables", "item_tables", "wide_dense_table", "WIDE", "WIDE_FROM", "read_sparse", "read_dense",
+           "read_fields_fast"]
 
 _CHUNK = 1 << 18
 
@@ -187,6 +188,8 @@ def item_tables(s: int) -> tuple[np.ndarray, np.ndarray]:
 
 #: bits of the wide dense window (:func:`wide_dense_table`): most dense items of 8-bit fields fit it
 WIDE = 16
+#: dense streams of fields with ``s`` above this read ``WIDE``-bit windows (their items mostly pass 12 bits)
+WIDE_FROM = 15
 
 
 @lru_cache(maxsize=None)

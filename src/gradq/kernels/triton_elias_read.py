@@ -9,7 +9,9 @@ marks one start every 2**18 values: too few places to start for a GPU. These ker
 1. **Segments.** The stream after the header is cut into segments of ``TUNING["read_bits"]`` bits,
    one lane each. A lane reads items from a guess of where its first item starts (at first, its
    segment's first bit) until it passes the segment's end, and records where it stopped, how many
-   items it read and the sum of their gaps.
+   items it read and the sum of their gaps. An item is one look-up in the host reader's table of
+   12-bit windows (16 bits for dense streams of ``s`` above 15) where it fits, else read code by
+   code; one that does not read at all (after a wrong guess, as a rule) is skipped a bit at a time.
 2. **Rounds.** Each lane's next guess is where the lane before it stopped. Lane 0's guess is exact,
    so after ``r`` rounds the first ``r`` lanes are; and when a round changes no guess, every lane
    read from a true start. Prefix codes resynchronize within a few items after a wrong start, so
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from ..codecs.elias import OK, read_omega
-from ..codecs.qsgd_fields import item_tables
+from ..codecs.qsgd_fields import _IWIN, WIDE, WIDE_FROM, item_tables, wide_dense_table
 from . import triton_common as _C
 from .triton_common import _jit, tl
 
@@ -107,12 +109,13 @@ def _item(w, SPARSE: tl.constexpr):
 
 
 @_jit
-def _next_item(w_ptr, tab_ptr, p, nwords, s, SPARSE: tl.constexpr):
-    """The item at bit ``p``: ``(gap, field c + s, bits, ok)``. Items of up to 12 bits (and, sparse,
-    gaps below 2**16) come from one look-up in :func:`gradq.codecs.qsgd_fields.item_tables`'
-    table; where any lane's item does not, the program reads the codes (:func:`_item`)."""
+def _next_item(w_ptr, tab_ptr, p, nwords, s, SPARSE: tl.constexpr, WIN: tl.constexpr):
+    """The item at bit ``p``: ``(gap, field c + s, bits, ok)``. Items of up to ``WIN`` bits (and,
+    sparse, gaps below 2**16) come from one look-up in the host reader's table of ``WIN``-bit
+    windows (:func:`gradq.codecs.qsgd_fields.item_tables`, ``wide_dense_table``); where any lane's
+    item does not, the program reads the codes (:func:`_item`)."""
     w = _peek(w_ptr, p, nwords)
-    t = tl.load(tab_ptr + (w >> 52).to(tl.int32))
+    t = tl.load(tab_ptr + (w >> (64 - WIN)).to(tl.int32))
     bits = t & 31
     ok = t != 0
     if SPARSE:
@@ -133,14 +136,15 @@ def _next_item(w_ptr, tab_ptr, p, nwords, s, SPARSE: tl.constexpr):
 @_jit
 def _elias_read_kernel(w_ptr, tab_ptr, start_ptr, act_ptr, end_ptr, cnt_ptr, gsum_ptr, err_ptr, fields_ptr,
                        base_ptr, pos_ptr, nbytes, nwords, nseg, n, nitems, s, b0, SEG: tl.constexpr,
-                       LANES: tl.constexpr, SPARSE: tl.constexpr, WRITE: tl.constexpr):
+                       LANES: tl.constexpr, SPARSE: tl.constexpr, WRITE: tl.constexpr, WIN: tl.constexpr):
     """One lane a segment of ``SEG`` bits: its items from bit ``start[k]`` until one starts at or past
     the segment's end. Without ``WRITE`` (the lanes with ``act[k] ≠ 0``): where it stopped, the
     items and the sum of their gaps, and whether an item did not read (``end``, ``cnt``, ``gsum``,
-    ``err``; such an item is skipped a bit at a time). With ``WRITE`` (every lane, from true starts): the fields of the items with indices
-    ``base[k]`` on below ``nitems`` (sparse: at positions ``pos[k]`` plus the running gaps, 1-based),
-    and ``err[k]`` set for an item that does not read, ``|c| > s``, a position past ``n``, or (the
-    lane with the last item) padding that is not zeros or extra bytes."""
+    ``err``; such an item is skipped a bit at a time). With ``WRITE`` (every lane, from true
+    starts): the fields of the items with indices ``base[k]`` on below ``nitems`` (sparse: at
+    positions ``pos[k]`` plus the running gaps, 1-based), and ``err[k]`` set for an item that does
+    not read, ``|c| > s``, a position past ``n``, or (the lane with the last item) padding that is
+    not zeros or extra bytes. ``WIN``: the bits of the table's windows (:func:`_next_item`)."""
     k = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     live = k < nseg
     if not WRITE:
@@ -157,7 +161,7 @@ def _elias_read_kernel(w_ptr, tab_ptr, start_ptr, act_ptr, end_ptr, cnt_ptr, gsu
         last = tl.load(w_ptr + (nbytes - 1) // 4) >> (8 * (3 - (nbytes - 1) % 4))   # the last byte
     go = live & (p < limit)
     while tl.max(go.to(tl.int32), axis=0) > 0:
-        gap, field, bits, ok = _next_item(w_ptr, tab_ptr, p, nwords, s, SPARSE)
+        gap, field, bits, ok = _next_item(w_ptr, tab_ptr, p, nwords, s, SPARSE, WIN)
         bad = bad | (go & ~ok)
         adv = go & ok
         g = g + tl.where(adv, gap, 0)
@@ -200,9 +204,14 @@ def _words(stream: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _table(s: int, sparse: bool, device: str) -> torch.Tensor:
-    """:func:`gradq.codecs.qsgd_fields.item_tables`' table of the layout, on ``device``."""
-    return torch.from_numpy(item_tables(s)[0 if sparse else 1]).to(torch.device(device))
+def _table(s: int, sparse: bool, device: str) -> tuple[torch.Tensor, int]:
+    """The host reader's table of whole items for the layout, on ``device``, and its window's bits:
+    :func:`gradq.codecs.qsgd_fields.item_tables` (12 bits), or for dense streams of ``s`` above 15,
+    whose items mostly pass 12 bits, ``wide_dense_table`` (16 bits, 256 KiB), as the host reader
+    chooses (``gradq.codecs.qsgd_chunks_read``)."""
+    if not sparse and s > WIDE_FROM:
+        return torch.from_numpy(wide_dense_table(s)).to(torch.device(device)), WIDE
+    return torch.from_numpy(item_tables(s)[0 if sparse else 1]).to(torch.device(device)), _IWIN
 
 
 def _header(stream: torch.Tensor, n: int) -> Optional[tuple[bool, int, int]]:
@@ -237,13 +246,13 @@ def decode_fields_stream(stream: torch.Tensor, n: int, s: int) -> Optional[torch
     lanes = 32 * _C.TUNING["read_warps"]
     grid = (-(-nseg // lanes),)
     words = _words(stream)
-    tab = _table(s, sparse, str(dev))
+    tab, win = _table(s, sparse, str(dev))
     start = b0 + seg * torch.arange(nseg, dtype=torch.int64, device=dev)
     act = torch.ones(nseg, dtype=torch.int8, device=dev)
     end, cnt, gsum = (torch.empty(nseg, dtype=torch.int64, device=dev) for _ in range(3))
     err = torch.empty(nseg, dtype=torch.int32, device=dev)
     sizes = (nbytes, words.numel(), nseg, n, nitems, s, b0)
-    meta = dict(SEG=seg, LANES=lanes, SPARSE=sparse, num_warps=_C.TUNING["read_warps"])
+    meta = dict(SEG=seg, LANES=lanes, SPARSE=sparse, WIN=win, num_warps=_C.TUNING["read_warps"])
     for _ in range(_ROUNDS):
         _C._launch(_elias_read_kernel, grid, words, tab, start, act, end, cnt, gsum, err, words, start, start,
                    *sizes, WRITE=False, **meta)
