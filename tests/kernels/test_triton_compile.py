@@ -125,7 +125,7 @@ SCRIPT = textwrap.dedent('''
         ("_elias_blocks_kernel", dict(stats_ptr=PI64, ol_ptr=P32, tpre_ptr=PI64, pre_ptr=PI64, nblk=I, TILE=C,
          SMALL=C), dict(TILE=E._TILE, SMALL=4096), False),
     ] + [
-        ("_elias_write_kernel", dict(f_ptr=P8, sc_ptr=PI64, sl_ptr=P32, dc_ptr=PI64, dl_ptr=P32, oc_ptr=PI64,
+        ("_elias_write_kernel", dict(f_ptr=P8, sc_ptr=PI64, sl_ptr=P32, dc_ptr=P32, dl_ptr=P32, oc_ptr=PI64,
          ol_ptr=P32, pre_ptr=PI64, words_ptr=P32, index_ptr=PI64, n=I, s="i32", base=I, h0="i32", h1="i32",
          SPARSE=C, BLOCK=C, SMALL=C, PER_CHUNK=C),
          dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=4096, PER_CHUNK=E.CHUNK // E.BLOCK), False)

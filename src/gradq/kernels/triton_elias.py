@@ -52,7 +52,8 @@ def _tables(s: int, device: str) -> tuple[torch.Tensor, ...]:
     """``(sparse code, sparse bits, dense code, dense bits)`` per field and the omega table, on device."""
     dev = torch.device(device)
     sc, sl, dc, dl = (torch.from_numpy(t).to(dev) for t in field_tables(s))
-    return sc, sl.to(torch.int32), dc, dl.to(torch.int32), torch.from_numpy(_OMEGA_CODE).to(dev), \
+    # (dense codes have at most 15 bits: int32, cut into parts in 32-bit arithmetic)
+    return sc, sl.to(torch.int32), dc.to(torch.int32), dl.to(torch.int32), torch.from_numpy(_OMEGA_CODE).to(dev), \
         torch.from_numpy(_OMEGA_LEN).to(dev, torch.int32)
 
 
@@ -89,8 +90,10 @@ def _bswap32(v):
 
 
 @_jit
-def _write_words(words_ptr, code, length, wbase, lead, col, BLOCK: tl.constexpr, PARTS: tl.constexpr):
-    """Add every code (``length ≤ 63`` bits, int32; length 0 for lanes without a code) into the
+def _write_words(words_ptr, code, length, wbase, lead, col, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+                 NARROW: tl.constexpr):
+    """Add every code (``length ≤ 63`` bits, int32; length 0 for lanes without a code; NARROW: the
+    codes are int32 of at most 32 bits, cut into parts in 32-bit arithmetic) into the
     byte-swapped 32-bit words it touches. The codes follow one another from bit ``lead`` (< 32) of
     word ``wbase``, most significant bit first: a block's codes span fewer than 2**31 bits, so
     their offsets from there are an int32 running sum.
@@ -109,11 +112,20 @@ def _write_words(words_ptr, code, length, wbase, lead, col, BLOCK: tl.constexpr,
     last = (col == BLOCK - 1) | (w0 != ((offset + length) >> 5))
     first = (col == 0) | (w0 != tl.gather(w0, tl.maximum(col - 1, 0), 0))
     total = (offset & 31) + length
+    if NARROW:
+        code = code.to(tl.uint32, bitcast=True)
     for j in tl.static_range(PARTS):
         d = total - 32 - 32 * j                           # shift right by d (d ≥ 0) or left by −d
-        right = (code >> tl.minimum(tl.maximum(d, 0), 63)) & 0xFFFFFFFF
-        left = (code << tl.minimum(tl.maximum(-d, 0), 63)) & 0xFFFFFFFF
-        part = _bswap32(tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0)).to(tl.int32)
+        if NARROW:
+            right = tl.where(d >= 32, 0, code >> tl.minimum(tl.maximum(d, 0), 31).to(tl.uint32))
+            left = code << tl.minimum(tl.maximum(-d, 0), 31).to(tl.uint32)
+            part = tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0)
+            part = _bswap32(part).to(tl.int32, bitcast=True)
+        else:
+            right = (code >> tl.minimum(tl.maximum(d, 0), 63)) & 0xFFFFFFFF
+            left = (code << tl.minimum(tl.maximum(-d, 0), 63)) & 0xFFFFFFFF
+            part = tl.where(length > 0, tl.where(d >= 0, right, tl.where(-d >= 32, 0, left)), 0)
+            part = _bswap32(part).to(tl.int32)
         run = tl.cumsum(part, 0)                          # modulo 2**32
         add = tl.where(last, run, 0) - tl.where(first, run - part, 0)
         on = add != 0
@@ -308,13 +320,13 @@ def _elias_write_kernel(f_ptr, sc_ptr, sl_ptr, dc_ptr, dl_ptr, oc_ptr, ol_ptr, p
         mlen = tl.load(sl_ptr + fs)
         length = tl.where(nz, glen.to(tl.int32) + mlen, 0)
         code = (_omega_code(gap, oc_ptr, ol_ptr, SMALL) << mlen) | tl.load(sc_ptr + fs)
-        _write_words(words_ptr, code, length, bit0 >> 5, (bit0 & 31).to(tl.int32), col, BLOCK, 3)   # ≤ 56 bits
+        _write_words(words_ptr, code, length, bit0 >> 5, (bit0 & 31).to(tl.int32), col, BLOCK, 3, False)   # ≤ 56 bits
         row = (bit0, tl.load(pre + 2), before + 1)
     else:
         bit0 = base + tl.load(pre + 1)
         length = tl.where(ok, tl.load(dl_ptr + fs), 0)
         _write_words(words_ptr, tl.load(dc_ptr + fs), length, bit0 >> 5, (bit0 & 31).to(tl.int32), col, BLOCK,
-                     2)   # up to 15 bits
+                     2, True)   # up to 15 bits, int32
         row = (bit0, blk * BLOCK, blk * BLOCK)
     if blk == 0:
         tl.atomic_add(words_ptr, h0)
