@@ -108,7 +108,7 @@ def _cases() -> list[tuple]:
               n=I, nbytes=I, ibytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U, hi0=U, L=C, W=C, IW=C, G=C, WIDE=C,
               FAST=C), dict(L=2, W=2, IW=1, G=G, WIDE=True, FAST=True), 8 * G, gw),
         ("multiscale decode, 2+6", M._ms_decode_body,
-         dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, lv_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
+         dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32",
               nbytes=I, ibytes=I, bucket=I, b0=I, L=C, W=C, IW=C, G=C, WIDE=C, FAST=C),
          dict(L=2, W=2, IW=1, G=G, WIDE=True, FAST=True), 8 * G, gw),
         ("max-abs per bucket (MaxNorm's first pass)", T._maxabs_bits_kernel,

@@ -121,19 +121,18 @@ def _ms_encode_kernel(x_ptr, w_ptr, ix_ptr, lv_ptr, codes_ptr, index_ptr, bad_pt
 
 
 @_jit
-def _ms_value(f, ix, w, lv_ptr, o, rem, over, L: tl.constexpr, FAST: tl.constexpr):
-    """``(float32(f − s1) / s_ix)·w`` of one field (index 0 where ``ix ≥ L``), and ``over`` plus
-    whether ``ix ≥ L`` (below offset ``rem``)."""
+def _ms_value(f, ix, w, q_ptr, o, rem, over, L: tl.constexpr, W: tl.constexpr, FAST: tl.constexpr):
+    """``(float32(f − s1) / s_ix)·w`` of one field (index 0 where ``ix ≥ L``), the quotient looked up
+    in ``q_ptr`` (:func:`_ms_quotients`), and ``over`` plus whether ``ix ≥ L`` (below offset ``rem``)."""
     bad = ix >= L
     if not FAST:
         bad = bad & (o < rem)
     ix = tl.where(ix >= L, 0, ix)
-    s1 = tl.load(lv_ptr).to(tl.int32)
-    return tl.math.div_rn((f - s1).to(tl.float32), tl.load(lv_ptr + ix)) * w, over + bad.to(tl.int32)
+    return tl.load(q_ptr + ix * (1 << W) + f) * w, over + bad.to(tl.int32)
 
 
 @_jit
-def _ms_decode_body(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket, b0,
+def _ms_decode_body(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket, b0,
                     L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr,
                     FAST: tl.constexpr):
     g = tl.arange(0, G)
@@ -147,36 +146,36 @@ def _ms_decode_body(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, first
         i0 = tl.zeros((G,), tl.int32)
         i1, i2, i3, i4, i5, i6, i7 = i0, i0, i0, i0, i0, i0, i0
     over = tl.zeros((G,), tl.int32)
-    v0, over = _ms_value(f0, i0, tl.load(w_ptr + _row_of(first, base, rem, bucket, b0, FAST)), lv_ptr, base, rem,
-                         over, L, FAST)
-    v1, over = _ms_value(f1, i1, tl.load(w_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST)), lv_ptr, base + 1,
-                         rem, over, L, FAST)
-    v2, over = _ms_value(f2, i2, tl.load(w_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST)), lv_ptr, base + 2,
-                         rem, over, L, FAST)
-    v3, over = _ms_value(f3, i3, tl.load(w_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST)), lv_ptr, base + 3,
-                         rem, over, L, FAST)
-    v4, over = _ms_value(f4, i4, tl.load(w_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST)), lv_ptr, base + 4,
-                         rem, over, L, FAST)
-    v5, over = _ms_value(f5, i5, tl.load(w_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST)), lv_ptr, base + 5,
-                         rem, over, L, FAST)
-    v6, over = _ms_value(f6, i6, tl.load(w_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST)), lv_ptr, base + 6,
-                         rem, over, L, FAST)
-    v7, over = _ms_value(f7, i7, tl.load(w_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST)), lv_ptr, base + 7,
-                         rem, over, L, FAST)
+    v0, over = _ms_value(f0, i0, tl.load(w_ptr + _row_of(first, base, rem, bucket, b0, FAST)), q_ptr, base, rem,
+                         over, L, W, FAST)
+    v1, over = _ms_value(f1, i1, tl.load(w_ptr + _row_of(first, base + 1, rem, bucket, b0, FAST)), q_ptr, base + 1,
+                         rem, over, L, W, FAST)
+    v2, over = _ms_value(f2, i2, tl.load(w_ptr + _row_of(first, base + 2, rem, bucket, b0, FAST)), q_ptr, base + 2,
+                         rem, over, L, W, FAST)
+    v3, over = _ms_value(f3, i3, tl.load(w_ptr + _row_of(first, base + 3, rem, bucket, b0, FAST)), q_ptr, base + 3,
+                         rem, over, L, W, FAST)
+    v4, over = _ms_value(f4, i4, tl.load(w_ptr + _row_of(first, base + 4, rem, bucket, b0, FAST)), q_ptr, base + 4,
+                         rem, over, L, W, FAST)
+    v5, over = _ms_value(f5, i5, tl.load(w_ptr + _row_of(first, base + 5, rem, bucket, b0, FAST)), q_ptr, base + 5,
+                         rem, over, L, W, FAST)
+    v6, over = _ms_value(f6, i6, tl.load(w_ptr + _row_of(first, base + 6, rem, bucket, b0, FAST)), q_ptr, base + 6,
+                         rem, over, L, W, FAST)
+    v7, over = _ms_value(f7, i7, tl.load(w_ptr + _row_of(first, base + 7, rem, bucket, b0, FAST)), q_ptr, base + 7,
+                         rem, over, L, W, FAST)
     _store8(out_ptr + first, base, rem, v0, v1, v2, v3, v4, v5, v6, v7, FAST)
     tl.store(bad_ptr + tl.program_id(0), tl.sum(over, axis=0))
 
 
 @_jit
-def _ms_decode_kernel(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, n, nbytes, ibytes, bucket,
+def _ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, bad_ptr, n, nbytes, ibytes, bucket,
                       L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr):
     """MultiScale's values (:func:`_ms_value`) and per program the number of indices ``≥ L``."""
     first, rem, b0, fast = _fast(n, bucket, 8 * G)
     if fast:
-        _ms_decode_body(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket,
+        _ms_decode_body(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket,
                         b0, L, W, IW, G, WIDE, True)
     else:
-        _ms_decode_body(codes_ptr, index_ptr, w_ptr, lv_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket,
+        _ms_decode_body(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, bad_ptr, first, rem, nbytes, ibytes, bucket,
                         b0, L, W, IW, G, WIDE, False)
 
 
@@ -198,6 +197,22 @@ def _ms_levels(levels, device: torch.device) -> torch.Tensor:
     if key is not None:
         _LEVELS[key] = lv
     return lv
+
+
+_QUOTIENTS: dict[tuple, torch.Tensor] = {}
+
+
+def _ms_quotients(levels, width: int, device: torch.device) -> torch.Tensor:
+    """``float32(f − s_1) / float32(s_j)`` for every ``width``-bit field ``f`` and scale ``j``, as an
+    ``[L, 2**width]`` float32 table on ``device``, divided on the host in float32 (correctly rounded,
+    as the reference divides): the decode looks each value's quotient up instead of dividing. Made
+    once per scales, width and device."""
+    lv = _ms_levels(levels, "cpu")
+    key = (tuple(lv.tolist()), width, torch.device(device))
+    if key not in _QUOTIENTS:
+        f = torch.arange(1 << width, dtype=torch.float32) - lv[0]
+        _QUOTIENTS[key] = (f[None, :] / lv[:, None]).contiguous().to(device)
+    return _QUOTIENTS[key]
 
 
 def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Optional[int]) -> torch.Tensor:
@@ -252,14 +267,14 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     cv = _payload(codes, nbytes, f"{width}-bit codes")
     iv = _payload(index, ibytes, f"{index_width}-bit indices") if index_width else cv
     d = _bucket(n, bucket)
-    lv = _ms_levels(levels, cv.device)
+    q = _ms_quotients(levels, width, cv.device)
     res = _out(out, n, torch.float32, cv.device)
     if n:
         w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, cv.device)
         grid = _grid(-(-n // 8), _groups())
         bad = torch.zeros(grid[0], dtype=torch.int32, device=cv.device)
-        _launch(_ms_decode_kernel, grid, cv, iv, w, lv, res, bad, n, nbytes, ibytes, d, L=lv.numel(), W=width,
+        _launch(_ms_decode_kernel, grid, cv, iv, w, q, res, bad, n, nbytes, ibytes, d, L=q.shape[0], W=width,
                 IW=index_width, G=_groups(), WIDE=cv.data_ptr() % 4 == 0 and iv.data_ptr() % 4 == 0)
         if int(bad.sum()):
-            raise PayloadError(f"multiscale: corrupt scale index (>= {lv.numel()} scales)")
+            raise PayloadError(f"multiscale: corrupt scale index (>= {q.shape[0]} scales)")
     return res
