@@ -112,6 +112,25 @@ def test_uniform_primitives(n, bucket):
                 R.uniform_decode_trits_mean([trits, trits], [sc, sc * 2], bucket, n))
 
 
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
+def test_decode_mean_over_a_power_of_two_rounds_as_a_division():
+    """The mean of M payloads divides by M; for M a power of two the kernel multiplies by 1/M, which
+    rounds the same real number: the reference's values bit for bit for M = 2, 4, 8 (and 3, 5, 6 by
+    division), with scales whose means are subnormal and with huge ones."""
+    n, s, w, bucket = 1000, 7, 4, 64
+    packed, sc = R.maxabs_uniform_encode(data(n, 5), s, bucket, w, RandomStream(5))
+    for m in (2, 3, 4, 5, 6, 8):
+        payloads = [packed.roll(17 * j) for j in range(m)]
+        for top in (1e-38, 3.0e38):
+            scales = [torch.full_like(sc, top / (j + 1)) for j in range(m)]
+            want = R.uniform_decode_mean(payloads, scales, s, bucket, w, n)
+            assert same(T.uniform_decode_mean(payloads, scales, s, bucket, w, n), want), (m, top)
+            if top < 1:
+                assert bool(((want != 0) & (want.abs() < 1.17549435e-38)).any()), m     # subnormal means
+            else:
+                assert bool((want.abs() > 1e37).any()), m                                         # huge means
+
+
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_decode_mean_reads_payloads_in_place_at_any_offsets():
     """Payloads that are slices of one receive buffer are read where they lie: at a fixed stride

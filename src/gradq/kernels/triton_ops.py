@@ -387,6 +387,17 @@ def _scale_mult(scales_ptr, first, o, rem, nb, bucket, sf, ma, mb, edge, BIG: tl
 
 
 @_jit
+def _over(a, M: tl.constexpr):
+    """``a / M`` in float32, correctly rounded: for ``M`` a power of two the product with ``1/M``,
+    which is exact in float32, so both round the same real number (subnormals too: the product is
+    ``mul.rn``, no flush); else an IEEE division."""
+    if M & (M - 1) == 0:
+        return a * (1.0 / M)
+    else:
+        return tl.math.div_rn(a, tl.full(a.shape, M, tl.float32))
+
+
+@_jit
 def _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
                          max_field, M: tl.constexpr, W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr,
                          CHECK: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr):
@@ -429,11 +440,8 @@ def _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first
             else:
                 acc0, acc1, acc2, acc3, acc4 = acc0 + d0, acc1 + d1, acc2 + d2, acc3 + d3, acc4 + d4
         if M > 1:
-            acc0 = tl.math.div_rn(acc0, tl.full(acc0.shape, M, tl.float32))
-            acc1 = tl.math.div_rn(acc1, tl.full(acc1.shape, M, tl.float32))
-            acc2 = tl.math.div_rn(acc2, tl.full(acc2.shape, M, tl.float32))
-            acc3 = tl.math.div_rn(acc3, tl.full(acc3.shape, M, tl.float32))
-            acc4 = tl.math.div_rn(acc4, tl.full(acc4.shape, M, tl.float32))
+            acc0, acc1, acc2 = _over(acc0, M), _over(acc1, M), _over(acc2, M)
+            acc3, acc4 = _over(acc3, M), _over(acc4, M)
         tl.store(out_ptr + first + base, acc0, mask=base < rem)
         tl.store(out_ptr + first + base + 1, acc1, mask=base + 1 < rem)
         tl.store(out_ptr + first + base + 2, acc2, mask=base + 2 < rem)
@@ -485,9 +493,8 @@ def _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first
                 a0, a1, a2, a3 = a0 + d0, a1 + d1, a2 + d2, a3 + d3
                 a4, a5, a6, a7 = a4 + d4, a5 + d5, a6 + d6, a7 + d7
         if M > 1:
-            mm = tl.full((G,), M, tl.float32)
-            a0, a1, a2, a3 = tl.math.div_rn(a0, mm), tl.math.div_rn(a1, mm), tl.math.div_rn(a2, mm), tl.math.div_rn(a3, mm)
-            a4, a5, a6, a7 = tl.math.div_rn(a4, mm), tl.math.div_rn(a5, mm), tl.math.div_rn(a6, mm), tl.math.div_rn(a7, mm)
+            a0, a1, a2, a3 = _over(a0, M), _over(a1, M), _over(a2, M), _over(a3, M)
+            a4, a5, a6, a7 = _over(a4, M), _over(a5, M), _over(a6, M), _over(a7, M)
         _store8(out_ptr + first, base, rem, a0, a1, a2, a3, a4, a5, a6, a7, FULL)
     if CHECK:
         tl.store(bad_ptr + tl.program_id(0), tl.sum(nbad, axis=0))
