@@ -14,7 +14,7 @@
 # profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
 # which shows the device-bound figure where codecs' batches of 5 include the host's time). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
 # unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found;
-# `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels. Each runs under its own time limit
+# `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels and of the Elias reader. Each runs under its own time limit
 # (LIMIT_<step> seconds, defaults below), cut to what is left of END seconds (whole script; a step
 # with under 30 s left is skipped), and writes $OUT/<step>.log, kept even when the step fails;
 # the script goes on and names the failed and skipped steps at the end. Runs from a checkout with PYTHONPATH=src
@@ -57,12 +57,13 @@ step tests 150 "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short 
 if command -v ncu >/dev/null; then
   step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     -k "regex:_binary_stats_kernel|_linear_levels_kernel|_norm_uniform_encode_kernel|_orq_levels_kernel|_pb_level_kernel|_elias_\w+_kernel" \
-    -c 12 "$PY" -c "
+    -c 20 "$PY" -c "
 import torch, gradq
 x = torch.randn(25_000_000, device='cuda')
 for spec in ('signsgd', 'bingrad-b', 'linear:levels=5', 'qsgd:bits=4,bucket=512', 'orq:levels=5', 'bingrad-pb',
              'qsgd:bits=4,coding=elias'):
-    gradq.build(spec).encode(x, seed=1)
+    p = gradq.build(spec).encode(x, seed=1)
+gradq.build('qsgd:bits=4,coding=elias').decode(p)   # the Elias reader's rounds and write pass
 torch.cuda.synchronize()"
 fi
 step nccl 90 "$PY" -m gradq.cli train --backend nccl --workers 1 --model mlp-wide --data mnist --epochs 1 \
