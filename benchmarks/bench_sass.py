@@ -38,6 +38,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from gradq.kernels import triton_elias as E  # noqa: E402
+from gradq.kernels import triton_elias_read as ER  # noqa: E402
 from gradq.kernels import triton_levels as L  # noqa: E402
 from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
@@ -121,6 +123,39 @@ def _cases() -> list[tuple]:
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, first=I, rem="i32", nbytes=I, bucket=I, b0=I, PER=C, G=C,
               FAST=C), dict(PER=1, G=G, FAST=True), 8 * G, gw),
     ]
+    # kernels with loops, sorts or scans along a program: their per-value figure is the whole
+    # program's SASS over its values (no loop counted twice), a size to compare, not a time
+    ew = T.TUNING["elias_warps"]
+    cases.append(("elias count pass", E._elias_count_kernel,
+                  dict(f_ptr=P8, sl_ptr=P32, dl_ptr=P32, ol_ptr=P32, stats_ptr=PI64, n=I, s="i32", BLOCK=C, SMALL=C),
+                  dict(BLOCK=E.BLOCK, SMALL=E._SMALL), E.BLOCK, ew))
+    for sparse in (True, False):
+        cases.append((f"elias write pass, {'sparse' if sparse else 'dense'}", E._elias_write_kernel,
+                      dict(f_ptr=P8, sc_ptr=PI64, sl_ptr=P32, dc_ptr=P32, dl_ptr=P32, oc_ptr=PI64, ol_ptr=P32,
+                           pre_ptr=PI64, words_ptr=P32, index_ptr=PI64, n=I, s="i32", base=I, h0="i32", h1="i32",
+                           SPARSE=C, BLOCK=C, SMALL=C, PER_CHUNK=C),
+                      dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=E._SMALL, PER_CHUNK=E.CHUNK // E.BLOCK), E.BLOCK, ew))
+    rw = T.TUNING["read_warps"]
+    for sparse, write in ((False, False), (False, True), (True, False), (True, True)):
+        cases.append((f"elias reader, {'sparse' if sparse else 'dense'} {'write' if write else 'rounds'}",
+                      ER._elias_read_kernel,
+                      dict(w_ptr=P32, tab_ptr=P32, start_ptr=PI64, act_ptr="*i8", end_ptr=PI64, cnt_ptr=PI64,
+                           gsum_ptr=PI64, err_ptr=P32, fields_ptr=P8, base_ptr=PI64, pos_ptr=PI64, nbytes=I, nwords=I,
+                           nseg=I, n=I, nitems=I, s="i32", b0=I, SEG=C, LANES=C, SPARSE=C, WRITE=C, WIN=C),
+                      dict(SEG=T.TUNING["read_bits"], LANES=32 * rw, SPARSE=sparse, WRITE=write, WIN=12),
+                      32 * rw, rw))
+    for lv in (5, 9):
+        lp = 1 << (lv - 1).bit_length()
+        cases.append((f"orq levels, L={lv}, bucket 512", L._orq_levels_kernel,
+                      dict(x_ptr=PF, lv_ptr=PF, n=I, bucket=I, LG_FULL="i32", LG_TAIL="i32", L=C, LP=C, ITER=C, P=C,
+                           LOG=C),
+                      dict(L=lv, LP=lp, ITER=(lv - 1).bit_length() - 1, P=512, LOG=9), 512,
+                      max(1, 512 // T.TUNING["orq_warp_elems"])))
+    rows, sw = max(1, T.TUNING["sort_elems"] // 512), T.TUNING["sort_warps"]
+    for r, w in ((rows, sw), (1, 1)):
+        cases.append((f"linear levels, L=5, {r} bucket(s) of 512", L._linear_levels_kernel,
+                      dict(x_ptr=PF, pos_ptr=PI64, lv_ptr=PF, n=I, bucket=I, nrows=I, L=C, P=C, LOG=C, ROWS=C),
+                      dict(L=5, P=512, LOG=9, ROWS=r), 512 * r, w))
     return cases
 
 
