@@ -48,6 +48,7 @@ from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
+from gradq.kernels import triton_randk as RK  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
@@ -124,7 +125,7 @@ def counts(fn) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, L, M, S, X)
+    mods = (C, T, L, M, S, X, RK)
     for m in mods:
         m._launch = counting
     try:

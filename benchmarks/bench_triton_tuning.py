@@ -17,7 +17,7 @@ of the shipped settings:
 4-bit QSGD decode.
 
     python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
-        [--groups stats passes moments maxabs subset fused groups sort orq elias crc read]
+        [--groups stats passes moments maxabs subset randk fused groups sort orq elias crc read]
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ GROUPS = {
                "_subset_candidates_kernel",
                [dict(subset_path=2)] + [dict(subset_path=1, subset_elems=e, subset_warps=w)
                                          for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
+    "randk": (["randk-maxnorm:ratio=0.01,bits=4", "randk-maxnorm:ratio=0.001,bits=8,norm=l2"], "_randk_\\w+_kernel",
+              [dict(randk_path=2)] + [dict(randk_path=1, randk_elems=e, randk_warps=w)
+                                       for e in (2048, 4096, 8192, 16384) for w in (4, 8)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",

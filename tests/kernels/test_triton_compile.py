@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
+    from gradq.kernels import triton_randk as K
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -131,8 +132,29 @@ SCRIPT = textwrap.dedent('''
          dict(SPARSE=sparse, BLOCK=E.BLOCK, SMALL=4096, PER_CHUNK=E.CHUNK // E.BLOCK), False)
         for sparse in (True, False)
     ] + [
-        ("_subset_candidates_kernel", dict(keys_ptr=PI64, count_ptr=P32, n=I, k1=I, k2=I, limit="i32", cap=I,
+        ("_subset_candidates_kernel", dict(keys_ptr=PI64, count_ptr=P32, n=I, k1=I, k2=I, lo=I, limit="i32", cap=I,
          BLOCK=C), dict(BLOCK=1024), False),
+    ] + [
+        ("_randk_hist_kernel", dict(hist_ptr=P32, state_ptr=PI64, n=I, k1=I, k2=I, shift="i32", width="i32",
+         BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024), False),
+        ("_randk_pick_kernel", dict(hist_ptr=P32, state_ptr=PI64, width="i32", need0=I, BINS=C), dict(BINS=2048),
+         False),
+        ("_randk_count_kernel", dict(cnt_ptr=P32, n=I, k1=I, k2=I, t=I, BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024),
+         False),
+        ("_randk_scan_kernel", dict(cnt_ptr=P32, m=I, CH=C), dict(CH=1024), False),
+    ] + [
+        ("_randk_norm_kernel", dict(x_ptr=PF, acc_ptr=PF64 if l2 else P32, n=I, k1=I, k2=I, t=I, L2=C, BLOCK=C,
+         SUB=C), dict(L2=l2, BLOCK=8192, SUB=1024), False)
+        for l2 in (False, True)
+    ] + [
+        ("_randk_encode_kernel", dict(x_ptr=PF, words_ptr=P32, incl_ptr=P32, scale_ptr=PF, n=I, k1=I, k2=I, t=I,
+         s="i32", rk1=I, rk2=I, lo0=I, hi0=I, W=C, BLOCK=C, SUB=C), dict(W=w, BLOCK=8192, SUB=1024), True)
+        for w in (4, 3)
+    ] + [
+        ("_randk_decode_kernel", dict(codes_ptr=P8, out_ptr=PF, incl_ptr=P32, scale_ptr=PF, n=I, nbytes=I, k1=I,
+         k2=I, t=I, s="i32", factor=F, W=C, RESCALE=C, BLOCK=C, SUB=C),
+         dict(W=w, RESCALE=rescale, BLOCK=8192, SUB=1024), True)
+        for w, rescale in ((4, False), (5, True))
     ] + [
         ("_crc32_kernel", dict(data_ptr=P8, out_ptr=P32, tab_ptr=P32, L=I, pad=I, tail="i32", W=C, NBITS=C),
          dict(W=w, NBITS=nbits), False)
@@ -153,7 +175,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, M, E, S, X, R) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, M, E, S, X, R, K) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -196,9 +218,10 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
+    from gradq.kernels import triton_randk as K
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, M, E, S, X, R) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, M, E, S, X, R, K) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

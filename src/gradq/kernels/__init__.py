@@ -46,7 +46,8 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "elias_fields_stream", "elias_stream_fields", "crc32_field"]
+           "multiscale_decode", "random_subset", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
+           "elias_fields_stream", "elias_stream_fields", "crc32_field"]
 
 RngLike = Union[RandomStream, int]
 
@@ -390,6 +391,60 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
         from . import triton_subset
         return triton_subset.random_subset(n, k, seed, device)
     return (subset if b == "numba" else reference).random_subset(n, k, seed, device)
+
+
+# -- GlobalRandK-MaxNorm on its subset -------------------------------------------------------------
+# ``indices`` gives ``random_subset(n, k, seed)`` on the tensor's device (the quantizer keeps its last
+# selection). The Triton backend does not call it where its implicit subset decides
+# (:mod:`gradq.kernels.triton_randk`: no index and no gathered value is ever stored); the other
+# backends gather, run the primitives above on the ``k`` values and scatter.
+
+def _randk() -> Any:
+    from . import triton_randk
+    return triton_randk
+
+
+def subset_norm(x: torch.Tensor, k: int, seed: int, norm: str,
+                indices: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The one-bucket ``maxabs_scales`` (``norm="max"``) or ``l2_scales`` of ``x``'s ``k`` coordinates
+    ``random_subset(x.numel(), k, seed)``: a float32 tensor of one element."""
+    if x.numel() and backend_for(x) == "triton":
+        got = _randk().subset_norm(x, k, seed, norm)
+        if got is not None:
+            return got
+    sub = x.reshape(-1)[indices()]
+    return maxabs_scales(sub, None) if norm == "max" else l2_scales(sub, None)
+
+
+def subset_uniform_encode(x: torch.Tensor, k: int, seed: int, scale: torch.Tensor, s: int, width: int,
+                          rng: RngLike, indices: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``uniform_encode`` of those ``k`` coordinates of ``x`` (in increasing position) under one
+    shared ``scale``: MaxNorm's codes field of the sub-vector."""
+    if x.numel() and backend_for(x) == "triton":
+        got = _randk().subset_uniform_encode(x, k, seed, scale, s, width, rng)
+        if got is not None:
+            return got
+    return uniform_encode(x.reshape(-1)[indices()], scale, s, None, width, rng)
+
+
+def subset_uniform_decode(packed: torch.Tensor, scale: torch.Tensor, s: int, width: int, k: int, seed: int,
+                          n: int, rescale: bool, indices: Callable[[], torch.Tensor],
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ``n`` float32 values whose coordinates ``random_subset(n, k, seed)`` hold the ``k`` values
+    ``uniform_decode(packed, scale, s, None, width, k)`` (each times ``float32(n/k)`` with
+    ``rescale``) and whose others are zero, in ``out`` (checked before it is touched) or a new
+    tensor."""
+    if k and k < n and backend_for(packed) == "triton":
+        got = _randk().subset_uniform_decode(packed, scale, s, width, k, seed, n, rescale, out)
+        if got is not None:
+            return got
+    sub = uniform_decode(packed, scale, s, None, width, k)
+    res = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
+    idx = indices()
+    res.zero_()
+    if k:
+        res[idx] = (sub * (n / k) if rescale else sub).to(res.device)
+    return res
 
 
 def crc32_field(*parts: torch.Tensor) -> torch.Tensor:

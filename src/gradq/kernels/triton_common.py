@@ -46,7 +46,7 @@ from ..errors import PayloadError  # noqa: E402
 #: 16; for these that would break the kernel (2-bit codes have ``s = 1``) or compile new kernels as
 #: the per-step seeds change, so they are never specialized.
 VALUE_ARGS = ("s", "clip", "k1", "k2", "ctr0", "max_field", "L", "w", "h0", "h1", "base", "cap", "limit", "pad",
-              "tail")
+              "tail", "t", "lo", "shift", "width", "need0", "rk1", "rk2", "lo0", "hi0")
 
 
 def _jit(fn):
@@ -106,6 +106,9 @@ TUNING = {
     "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (not yet on a GPU); 2, torch's topk of n keys
     "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
     "subset_warps": 4,      # against 182 with 4,096)
+    "randk_path": 1,        # RandK-MaxNorm: 1, an implicit subset (gradq.kernels.triton_randk; not yet on a
+    "randk_elems": 8192,    # GPU); 2, the indices and a gather. Counters a program there (one int32 of running
+    "randk_warps": 4,       # sums a program is kept per selection; it loops over 1,024 at a time)
     "read_bits": 256,       # stream bits a lane in the Elias reader (gradq.kernels.triton_elias_read;
     "read_warps": 1,        # 32 lanes a warp, not yet on a GPU)
     "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)

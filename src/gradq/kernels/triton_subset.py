@@ -32,14 +32,21 @@ _LOW32 = 0xFFFFFFFF
 
 
 @_jit
-def _subset_candidates_kernel(keys_ptr, count_ptr, n, k1, k2, limit, cap, BLOCK: tl.constexpr):
-    """Append ``(u_i << 32) | i`` for every ``i < n`` of this program's block with ``u_i < limit``
+def _draw(o, k1, k2):
+    """``u_i = bits32_i ^ 2³¹`` of the counters ``o`` (int32, from 0) of the stream ``(k1, k2)``:
+    uint32, ordered as the reference's signed draws are."""
+    h = _mix32(_mix32(o.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32) + k1.to(tl.uint32)) ^ k2.to(tl.uint32))
+    return h ^ tl.full((), 0x80000000, tl.uint32)
+
+
+@_jit
+def _subset_candidates_kernel(keys_ptr, count_ptr, n, k1, k2, lo, limit, cap, BLOCK: tl.constexpr):
+    """Append ``(u_i << 32) | i`` for every ``i < n`` of this program's block with ``lo ≤ u_i < limit``
     at the positions an atomic counter hands out; positions past ``cap`` are counted, not stored."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = o < n
-    h = _mix32(_mix32(o.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32) + k1.to(tl.uint32)) ^ k2.to(tl.uint32))
-    u = h ^ tl.full((), 0x80000000, tl.uint32)   # orders as the signed draw does
-    keep = live & (u < limit.to(tl.uint32))
+    u = _draw(o, k1, k2)
+    w = u.to(tl.int64)
+    keep = (o < n) & (w >= lo) & (w < limit)
     one = keep.to(tl.int32)
     total = tl.sum(one, axis=0)
     first = tl.atomic_add(count_ptr, total)
@@ -64,7 +71,7 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     count = torch.zeros(1, dtype=torch.int32, device=device)
     block = TUNING["subset_elems"]
     _launch(_subset_candidates_kernel, _grid(n, block), keys, count, n, st.k1, st.k2,
-            limit, cap, BLOCK=block, num_warps=TUNING["subset_warps"])
+            0, limit, cap, BLOCK=block, num_warps=TUNING["subset_warps"])
     got = int(count.item())
     if got < k or got > cap:
         return reference.random_subset(n, k, seed, device)

@@ -37,7 +37,7 @@ Wire: the inner quantizer's fields for ``K`` coordinates, plus the shared seed a
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -290,6 +290,34 @@ class RandKMaxNorm(_GlobalRandK):
             elif key != "levels":
                 out.append((key, val))
         return out
+
+    # MaxNorm on the subset through the primitives that take it whole (kernels.subset_*): with the
+    # Triton backend no index or gathered value is stored; elsewhere they gather from the indices
+    def _indices(self, numel: int, seed: int, device: torch.device) -> Callable[[], torch.Tensor]:
+        return lambda: self.coordinates(numel, seed, device)
+
+    def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
+        seed = self._need_seed(shared_seed)
+        n = v.numel()
+        scale = kernels.subset_norm(v, self.num_selected(n), seed, self.norm, self._indices(n, seed, v.device))
+        return {"scale": SharedStat(scale, "max")}
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        seed = self._need_seed(ctx.shared_seed)
+        n = v.numel()
+        scale = self.inner._shared_scale(ctx)
+        codes = kernels.subset_uniform_encode(v, self.num_selected(n), seed, scale, self.inner.s, self.inner.width,
+                                              ctx.rng, self._indices(n, seed, v.device))
+        seed_field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
+        return {"seed": seed_field, "codes": codes, "scales": scale}
+
+    def _decode_selected(self, fields: Mapping[str, torch.Tensor], numel: int,
+                         out: Optional[torch.Tensor]) -> torch.Tensor:
+        seed = int(fields["seed"].reshape(-1)[0])
+        codes = fields["codes"]
+        return kernels.subset_uniform_decode(codes, fields["scales"], self.inner.s, self.inner.width,
+                                             self.num_selected(numel), seed, numel, self.rescale,
+                                             self._indices(numel, seed, codes.device), out)
 
 
 @register("randk-multiscale")

@@ -1,0 +1,242 @@
+"""GlobalRandK-MaxNorm on the Triton backend with an implicit subset (gradq.kernels.triton_randk).
+
+Under Triton's interpreter (CPU tensors): the primitives give the bytes and floats of the
+composition they replace (the reference's indices, a gather, MaxNorm's primitives on the ``k``
+values, a scatter), without asking for the indices; where the histogram cannot decide they ask for
+them and give the same; an encode allocates nothing ``k``- or ``n``-sized besides its payload. On a
+GPU: the same bytes for 25M values, and the issue's peak of 1.25× the payload.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import gradq
+from gradq import kernels
+from gradq.kernels import reference as R
+from gradq.random import RandomStream
+
+T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
+from gradq.kernels import triton_randk as K  # noqa: E402
+from gradq.kernels import triton_subset as S  # noqa: E402
+from test_triton_kernels import data, first_difference, same  # noqa: E402
+
+interpreted = pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+#: (the MaxNorm widths: s = 1, 3, 7, 15, 127 give 2-, 3-, 4-, 5- and 8-bit fields; 3 and 5 cross words)
+WIDTHS = [(2, 1), (3, 3), (4, 7), (5, 15), (8, 127)]
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the indices were asked for")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The Triton backend (CPU tensors under the interpreter), with no selection kept from another
+    test (the module keeps its last one)."""
+    monkeypatch.setattr(K, "_LAST", None)
+    was = kernels.get_backend()
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend(was)
+
+
+def composition(x, k, seed, scale, s, width, rng_seed):
+    """What the primitives replace, from the reference's indices."""
+    idx = R.random_subset(x.numel(), k, seed)
+    return idx, R.uniform_encode(x[idx], scale, s, None, width, RandomStream(rng_seed))
+
+
+@interpreted
+@pytest.mark.parametrize("n,k,seed,elems,widths", [
+    (4_097, 2, 7, 1024, WIDTHS), (70_001, 1, 0, 8192, WIDTHS[2:3]), (120_003, 1_200, -3, 2048, WIDTHS[1::2]),
+    (100_003, 4_500, 2**63 - 1, 8192, WIDTHS[2:3])])
+def test_implicit_subset_gives_the_composition(n, k, seed, elems, widths, fresh, monkeypatch):
+    """Norms (max and L2), codes (every width on a small case; fields across words: 3 and 5 bits)
+    and decodes (with and without rescaling, into ``out=``) equal the composition's, and the
+    indices are never asked for: a partial last program (4,097 values), one selected value, many
+    programs of several loop steps, and ``k`` near the largest the candidates' threshold takes
+    (about n/16)."""
+    monkeypatch.setitem(T.TUNING, "randk_elems", elems)
+    x = data(n, 11)
+    idx = R.random_subset(n, k, seed)
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    monkeypatch.setattr(S, "random_subset", _refuse)
+    want_max, want_l2 = R.maxabs_scales(x[idx], None), R.l2_scales(x[idx], None)
+    assert same(kernels.subset_norm(x, k, seed, "max", _refuse), want_max)
+    assert same(kernels.subset_norm(x, k, seed, "l2", _refuse), want_l2)
+    scale = want_max
+    for width, s in widths:
+        rng, ref_rng = RandomStream(5), RandomStream(5)
+        want = R.uniform_encode(x[idx], scale, s, None, width, ref_rng)
+        got = kernels.subset_uniform_encode(x, k, seed, scale, s, width, rng, _refuse)
+        assert same(got, want), (width, first_difference(got, want))
+        assert rng.offset == ref_rng.offset
+        sub = R.uniform_decode(want, scale, s, None, width, k)
+        for rescale in (False, True):
+            ref = torch.zeros(n)
+            ref[idx] = sub * (n / k) if rescale else sub
+            into = torch.full((n,), float("nan"))
+            assert kernels.subset_uniform_decode(want, scale, s, width, k, seed, n, rescale, _refuse, into) is into
+            assert same(into, ref), (width, rescale, first_difference(into, ref))
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["too few", "large k", "k = 0", "k = n", "torch path", "one draw twice"])
+def test_where_the_histogram_cannot_decide_the_indices_do(case, fresh, monkeypatch):
+    """Fewer than ``k`` draws below the histogram's range, ``k`` past about n/16, nothing to choose,
+    ``subset_path`` 2, or a last bin that does not hold exactly one draw (which distinct draws rule
+    out; forced here): the primitives ask for the indices and give the composition's results."""
+    n, k, seed = {"large k": (10_000, 2_000, 1), "k = 0": (5_000, 0, 1), "k = n": (500, 500, 1)}.get(
+        case, (50_001, 400, 13))
+    x = data(n, 3)
+    idx = R.random_subset(n, k, seed)
+    asked = []
+
+    def indices():
+        asked.append(1)
+        return idx
+
+    if case == "too few":
+        monkeypatch.setattr(K, "_candidate_limit", lambda n_, k_: (k_ // 4) * (1 << 32) // n_)
+    elif case == "torch path":
+        monkeypatch.setitem(T.TUNING, "subset_path", 2)
+    elif case == "one draw twice":
+        real = K._launch
+
+        def twice(kernel, grid, *args, **meta):
+            real(kernel, grid, *args, **meta)
+            if kernel is K._randk_pick_kernel:
+                args[1][3] += 1   # the picked bin's count
+        monkeypatch.setattr(K, "_launch", twice)
+    scale = R.maxabs_scales(x[idx], None)
+    assert same(kernels.subset_norm(x, k, seed, "max", indices), scale) and asked
+    asked.clear()
+    want = R.uniform_encode(x[idx], scale, 7, None, 4, RandomStream(2))
+    assert same(kernels.subset_uniform_encode(x, k, seed, scale, 7, 4, RandomStream(2), indices), want) and asked
+    asked.clear()
+    ref = torch.zeros(n)
+    if k:
+        ref[idx] = R.uniform_decode(want, scale, 7, None, 4, k)
+    assert same(kernels.subset_uniform_decode(want, scale, 7, 4, k, seed, n, False, indices), ref)
+    assert asked or k in (0, n)
+
+
+def test_draws_of_distinct_counters_are_distinct():
+    """Why the subset needs no tie-break by index: the draws of counters below 2³² are a bijection of
+    the counters (checked on 2²⁰ counters for three seeds: the reference's bits, no repeat)."""
+    for seed in (0, 1, -7):
+        b = RandomStream(seed).bits32(1 << 20)
+        assert torch.unique(b).numel() == b.numel()
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every new storage the torch operators outside Triton's launches make (an upper bound
+    on the call's peak: frees are not subtracted), and the largest one."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = self.largest = 0
+        self.in_launch = False
+        self.seen: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        if not self.in_launch:
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            for t in _tensors(res):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr not in inputs and ptr not in self.seen and st.nbytes():
+                    self.seen.add(ptr)
+                    weakref.finalize(t, self.seen.discard, ptr)
+                    self.total += st.nbytes()
+                    self.largest = max(self.largest, st.nbytes())
+        return res
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _counted(monkeypatch, mode):
+    real = K._launch
+
+    def launch(*args, **meta):
+        mode.in_launch = True
+        try:
+            return real(*args, **meta)
+        finally:
+            mode.in_launch = False
+    monkeypatch.setattr(K, "_launch", launch)
+
+
+@interpreted
+def test_encode_and_decode_hold_no_subset(fresh, monkeypatch):
+    """Through the API (a new shared seed, so the selection is made inside the call): an encode
+    allocates at most its payload, the histogram (4 bytes a bin), one int32 a program and a few
+    scalars; the indices alone would be 8 bytes a selected value, 16× a 4-bit payload. A decode
+    into ``out=`` allocates only the selection's part of that."""
+    n = 200_003
+    q = gradq.build("randk-maxnorm:ratio=0.01,bits=4")
+    k = q.num_selected(n)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))   # (finite sum: the screen's one pass)
+    try:
+        mode = Allocations()
+        _counted(monkeypatch, mode)
+        with mode:
+            enc = q.encode(x, seed=1, shared_seed=77)
+        programs = -(-n // T.TUNING["randk_elems"])
+        selection = 4 * (1 << K._bin_bits(k)) + 4 * programs + 512   # (the 512: a few scalars)
+        assert mode.total <= enc.nbytes + selection < 8 * k, (mode.total, enc.nbytes, selection)
+        assert mode.largest < 0.75 * k   # (the codes field: k/2 bytes)
+        out = torch.empty(n)
+        monkeypatch.setattr(K, "_LAST", None)
+        mode = Allocations()
+        with mode:
+            q.decode(enc, out=out)
+        assert mode.total <= selection, mode.total
+    finally:
+        kernels.set_backend("torch")
+    ref = q.encode(x, seed=1, shared_seed=77)
+    assert enc.same_bytes(ref), first_difference(enc, ref)
+    assert same(out, q.decode(ref))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_randk_maxnorm_bytes_and_peak():
+    """On CUDA (atomic ORs and maxima in whatever order the programs run): the CPU's bytes and
+    decode for 25M values, three shared seeds, both norms; and the encode's peak extra memory, with
+    a new shared seed (the selection made inside the call), at most 1.25× the payload."""
+    n = 25_000_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    xc = x.cuda()
+    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-maxnorm:ratio=0.002,bits=3,norm=l2,rescale=1"):
+        q = gradq.build(spec)
+        for shared in (5, -9, 2**62):
+            enc = q.encode(xc, seed=2, shared_seed=shared)
+            dec = q.decode(enc)
+            ref = q.encode(x, seed=2, shared_seed=shared)
+            assert enc.same_bytes(ref), (spec, shared, first_difference(enc, ref))
+            assert same(dec.cpu(), q.decode(ref)), (spec, shared)
+    q = gradq.build("randk-maxnorm:ratio=0.01,bits=4")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    enc = q.encode(xc, seed=1, shared_seed=12345)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 1.25 * enc.nbytes, (extra, enc.nbytes)
