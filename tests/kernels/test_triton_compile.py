@@ -156,6 +156,19 @@ SCRIPT = textwrap.dedent('''
          dict(W=w, RESCALE=rescale, BLOCK=8192, SUB=1024), True)
         for w, rescale in ((4, False), (5, True))
     ] + [
+        ("_randk_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, codes_ptr=P32, index_ptr=P32, incl_ptr=P32,
+         n=I, k1=I, k2=I, t=I, rk1=I, rk2=I, lo0=I, hi0=I, L=C, W=C, IW=C, BLOCK=C, SUB=C),
+         dict(L=L, W=2, IW=iw, BLOCK=8192, SUB=1024), True)
+        for L, iw in ((2, 1), (3, 2))
+    ] + [
+        ("_randk_ms_check_kernel", dict(index_ptr=P8, bad_ptr=P32, k=I, ibytes=I, L=C, IW=C, BLOCK=C),
+         dict(L=3, IW=2, BLOCK=1024), False),
+    ] + [
+        ("_randk_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, incl_ptr=P32,
+         n=I, nbytes=I, ibytes=I, k1=I, k2=I, t=I, factor=F, L=C, W=C, IW=C, RESCALE=C, BLOCK=C, SUB=C),
+         dict(L=L, W=2, IW=iw, RESCALE=rescale, BLOCK=8192, SUB=1024), False)
+        for L, iw, rescale in ((2, 1, False), (3, 2, True))
+    ] + [
         ("_crc32_kernel", dict(data_ptr=P8, out_ptr=P32, tab_ptr=P32, L=I, pad=I, tail="i32", W=C, NBITS=C),
          dict(W=w, NBITS=nbits), False)
         for w, nbits in [(1024, 12), (1, 4)]

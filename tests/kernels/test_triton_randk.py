@@ -16,6 +16,7 @@ import torch
 
 import gradq
 from gradq import kernels
+from gradq.errors import PayloadError
 from gradq.kernels import reference as R
 from gradq.random import RandomStream
 
@@ -46,10 +47,10 @@ def fresh(monkeypatch):
     kernels.set_backend(was)
 
 
-def composition(x, k, seed, scale, s, width, rng_seed):
-    """What the primitives replace, from the reference's indices."""
-    idx = R.random_subset(x.numel(), k, seed)
-    return idx, R.uniform_encode(x[idx], scale, s, None, width, RandomStream(rng_seed))
+def gradient_like(n: int, seed: int) -> torch.Tensor:
+    """Log-normally scaled Gaussians: every code and scale index in play."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) / 2)
 
 
 @interpreted
@@ -63,7 +64,7 @@ def test_implicit_subset_gives_the_composition(n, k, seed, elems, widths, fresh,
     programs of several loop steps, and ``k`` near the largest the candidates' threshold takes
     (about n/16)."""
     monkeypatch.setitem(T.TUNING, "randk_elems", elems)
-    x = data(n, 11)
+    x = data(n, 11) if n < 5000 else gradient_like(n, 11)   # (huge values zero most codes: on one case)
     idx = R.random_subset(n, k, seed)
     monkeypatch.setattr(R, "random_subset", _refuse)
     monkeypatch.setattr(S, "random_subset", _refuse)
@@ -84,6 +85,41 @@ def test_implicit_subset_gives_the_composition(n, k, seed, elems, widths, fresh,
             into = torch.full((n,), float("nan"))
             assert kernels.subset_uniform_decode(want, scale, s, width, k, seed, n, rescale, _refuse, into) is into
             assert same(into, ref), (width, rescale, first_difference(into, ref))
+
+
+@interpreted
+@pytest.mark.parametrize("bits", [(2, 6), (2, 4, 8)])
+def test_multiscale_on_the_implicit_subset(bits, fresh, monkeypatch):
+    """RandK-MultiScale's fields (codes and each value's own scale index, 1 or 2 bits) and decodes
+    equal the composition's without the indices; with three scales a 2-bit index can name none,
+    and such a payload is refused before ``out`` is touched, as the composition refuses it."""
+    from gradq.quantizers.multiscale import multiscale_levels
+
+    n, k, seed = 50_001, 500, 21
+    levels = multiscale_levels(bits)
+    width, iw = 2, (len(levels) - 1).bit_length()
+    x = gradient_like(n, 8)
+    idx = R.random_subset(n, k, seed)
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    scale = R.maxabs_scales(x[idx], None)
+    want = R.multiscale_encode(x[idx], scale, None, levels, None, width, iw, RandomStream(4))
+    got = kernels.subset_multiscale_encode(x, k, seed, scale, levels, width, iw, RandomStream(4), _refuse)
+    assert same(got, want), first_difference(got[0], want[0])
+    sub = R.multiscale_decode(want[0], want[1], scale, levels, None, width, iw, k)
+    for rescale in (False, True):
+        ref = torch.zeros(n)
+        ref[idx] = sub * (n / k) if rescale else sub
+        into = torch.full((n,), float("nan"))
+        assert kernels.subset_multiscale_decode(*want, scale, levels, width, iw, k, seed, n, rescale, _refuse,
+                                                into) is into
+        assert same(into, ref), first_difference(into, ref)
+    if len(levels) == 3:
+        bad = want[1].clone()
+        bad[-1] |= 0xC0   # the last field: index 3 of 3 scales
+        into = torch.full((n,), float("nan"))
+        with pytest.raises(PayloadError, match="corrupt scale index"):
+            kernels.subset_multiscale_decode(want[0], bad, scale, levels, width, iw, k, seed, n, False, _refuse, into)
+        assert torch.isnan(into).all()
 
 
 @interpreted
@@ -217,14 +253,16 @@ def test_encode_and_decode_hold_no_subset(fresh, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_randk_maxnorm_bytes_and_peak():
+def test_gpu_randk_bytes_and_peak():
     """On CUDA (atomic ORs and maxima in whatever order the programs run): the CPU's bytes and
-    decode for 25M values, three shared seeds, both norms; and the encode's peak extra memory, with
-    a new shared seed (the selection made inside the call), at most 1.25× the payload."""
+    decode for 25M values, three shared seeds, both norms, both variants; and the encode's peak
+    extra memory, with a new shared seed (the selection made inside the call), at most 1.25× the
+    payload."""
     n = 25_000_000
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     xc = x.cuda()
-    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-maxnorm:ratio=0.002,bits=3,norm=l2,rescale=1"):
+    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-maxnorm:ratio=0.002,bits=3,norm=l2,rescale=1",
+                 "randk-multiscale:ratio=0.01,bits=2+6", "randk-multiscale:ratio=0.005,bits=2+4+8,rescale=1"):
         q = gradq.build(spec)
         for shared in (5, -9, 2**62):
             enc = q.encode(xc, seed=2, shared_seed=shared)
@@ -232,11 +270,12 @@ def test_gpu_randk_maxnorm_bytes_and_peak():
             ref = q.encode(x, seed=2, shared_seed=shared)
             assert enc.same_bytes(ref), (spec, shared, first_difference(enc, ref))
             assert same(dec.cpu(), q.decode(ref)), (spec, shared)
-    q = gradq.build("randk-maxnorm:ratio=0.01,bits=4")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    enc = q.encode(xc, seed=1, shared_seed=12345)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    assert extra <= 1.25 * enc.nbytes, (extra, enc.nbytes)
+    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"):
+        q = gradq.build(spec)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        enc = q.encode(xc, seed=1, shared_seed=12345)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra <= 1.25 * enc.nbytes, (spec, extra, enc.nbytes)

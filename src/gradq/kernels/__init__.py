@@ -47,7 +47,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
            "multiscale_decode", "random_subset", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
-           "elias_fields_stream", "elias_stream_fields", "crc32_field"]
+           "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields", "crc32_field"]
 
 RngLike = Union[RandomStream, int]
 
@@ -439,12 +439,43 @@ def subset_uniform_decode(packed: torch.Tensor, scale: torch.Tensor, s: int, wid
         if got is not None:
             return got
     sub = uniform_decode(packed, scale, s, None, width, k)
-    res = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
-    idx = indices()
+    return _scatter_into(sub, n, k, rescale, indices(), out)
+
+
+def _scatter_into(sub: torch.Tensor, n: int, k: int, rescale: bool, idx: torch.Tensor,
+                  out: Optional[torch.Tensor]) -> torch.Tensor:
+    res = torch.empty(n, dtype=torch.float32, device=sub.device) if out is None else out
     res.zero_()
     if k:
         res[idx] = (sub * (n / k) if rescale else sub).to(res.device)
     return res
+
+
+def subset_multiscale_encode(x: torch.Tensor, k: int, seed: int, scale: torch.Tensor, levels: Sequence[int],
+                             width: int, index_width: int, rng: RngLike,
+                             indices: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``multiscale_encode`` of those ``k`` coordinates of ``x`` under one shared ``scale``, each
+    value under its own scale index: MultiScale's codes and index fields of the sub-vector."""
+    if x.numel() and backend_for(x) == "triton":
+        got = _randk().subset_multiscale_encode(x, k, seed, scale, levels, width, index_width, rng)
+        if got is not None:
+            return got
+    return multiscale_encode(x.reshape(-1)[indices()], scale, None, levels, None, width, index_width, rng)
+
+
+def subset_multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scale: torch.Tensor,
+                             levels: Sequence[int], width: int, index_width: int, k: int, seed: int, n: int,
+                             rescale: bool, indices: Callable[[], torch.Tensor],
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`subset_uniform_decode`, for MultiScale's fields (``multiscale_decode`` of the ``k``
+    values, corrupt indices refused before ``out`` is touched)."""
+    if k and k < n and backend_for(codes) == "triton":
+        got = _randk().subset_multiscale_decode(codes, index, scale, levels, width, index_width, k, seed, n,
+                                                 rescale, out)
+        if got is not None:
+            return got
+    sub = multiscale_decode(codes, index, scale, levels, None, width, index_width, k)
+    return _scatter_into(sub, n, k, rescale, indices(), out)
 
 
 def crc32_field(*parts: torch.Tensor) -> torch.Tensor:

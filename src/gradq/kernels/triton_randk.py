@@ -1,10 +1,11 @@
-"""GlobalRandK-MaxNorm on the Triton backend without materialising its subset.
+"""GlobalRandK-MaxNorm and -MultiScale on the Triton backend without materialising their subset.
 
 The RandK variants keep the ``k`` coordinates of ``range(n)`` with the smallest keys
-(:func:`gradq.kernels.reference.random_subset`) and apply MaxNorm, with one shared scale, to that
-sub-vector in increasing position. Done literally, an encode holds the ``k`` sorted int64 indices
-and the ``k`` gathered float32 values before it writes a byte: 12 bytes a selected value, 24× a
-4-bit payload of them. Here the subset stays implicit:
+(:func:`gradq.kernels.reference.random_subset`) and apply MaxNorm or MultiScale, with one shared
+scale, to that sub-vector in increasing position. Done literally, an encode holds the ``k`` sorted
+int64 indices and the ``k`` gathered float32 values before it writes a byte (12 bytes a selected
+value, 24× a 4-bit payload of them), and MultiScale a scale index byte a value besides. Here the
+subset stays implicit:
 
 * **The k-th draw.** A coordinate's key is its draw ``u_i`` (``bits32_i ^ 2³¹``, which orders as
   the reference's signed draw) and then its index. No two counters below 2³² share a draw (a
@@ -26,13 +27,16 @@ and the ``k`` gathered float32 values before it writes a byte: 12 bytes a select
   from two programs, and OR does not depend on their order), and the decode writes every
   coordinate of ``out`` once: the selected ones from their fields, the rest zero.
 
-Memory: the histogram (``4·2^BITS`` bytes), one int32 a block of counters and a few scalars,
-besides the payload. Bytes and floats equal the reference's composition (indices, gather,
-MaxNorm, scatter). Where the histogram cannot decide (fewer than ``k`` draws below ``2^L``, about
-e⁻⁵⁰), for ``k`` past about ``n/16``, for
-``n ≥ 2³¹``, with ``TUNING["subset_path"]`` 2 and with ``TUNING["randk_path"]`` 2 (to time the two),
-the functions return None and the caller takes
-that composition.
+MultiScale computes each selected value's own scale index as it encodes (its fields: the code and
+the index, each OR-ed into its words), and its decode refuses an index that names no scale before
+it writes ``out``.
+
+Memory: the histogram (``4·2^BITS`` bytes), one int32 a program of counters and a few scalars,
+besides the payload. Bytes and floats equal the reference's composition (indices, gather, the
+scheme's primitives, scatter). Where the histogram cannot decide (fewer than ``k`` draws below
+``2^L``, about e⁻⁵⁰), for ``k`` past about ``n/16``, for ``n ≥ 2³¹``, and with
+``TUNING["subset_path"]`` or ``TUNING["randk_path"]`` 2 (to time the two), the functions return
+None and the caller takes that composition.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from typing import Optional
 
 import torch
 
+from ..errors import PayloadError
 from ..random import RandomStream
 from ._args import RngLike, _stream
 from .subset import _candidate_limit
 from .triton_common import TUNING, _flat, _grid, _jit, _launch, _out, _payload, _uniform_at, tl
+from .triton_multiscale import _ms_code, _ms_levels, _ms_quotients, _ms_value
 from .triton_ops import _field_r, _recip_s
 from .triton_subset import _draw
 
@@ -142,6 +148,29 @@ def _randk_norm_kernel(x_ptr, acc_ptr, n, k1, k2, t, L2: tl.constexpr, BLOCK: tl
 
 
 @_jit
+def _or_field(words_ptr, j, f, sel, W: tl.constexpr):
+    """OR the W-bit fields ``f`` (uint32) of the selected lanes into bits ``j·W …`` of the words."""
+    bit = j.to(tl.int64) * W
+    word = bit >> 5
+    sh = (bit & 31).to(tl.uint32)
+    tl.atomic_or(words_ptr + word, (f << sh).to(tl.int32, bitcast=True), mask=sel)
+    if 32 % W != 0:   # a field across two words
+        over = sel & (sh + W > 32)
+        tl.atomic_or(words_ptr + word + 1, (f >> (32 - tl.where(over, sh, 1))).to(tl.int32, bitcast=True),
+                     mask=over)
+
+
+@_jit
+def _field_at(data_ptr, j, sel, nbytes, W: tl.constexpr):
+    """The W-bit field at position ``j`` of packed bytes (W ≤ 8), for the selected lanes."""
+    bit = j.to(tl.int64) * W
+    byte = bit >> 3
+    lo = tl.load(data_ptr + byte, mask=sel, other=0).to(tl.int32)
+    hi = tl.load(data_ptr + byte + 1, mask=sel & (byte + 1 < nbytes), other=0).to(tl.int32)
+    return (((hi << 8) | lo) >> (bit & 7).to(tl.int32)) & ((1 << W) - 1)
+
+
+@_jit
 def _start(incl_ptr):
     """The position of this program's first selected counter: the running sum before it."""
     pid = tl.program_id(0)
@@ -163,14 +192,7 @@ def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t, s,
         before += tl.sum(one, axis=0)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         f = _field_r(v, r, s, 0.0, _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False), False).to(tl.uint32)
-        bit = j.to(tl.int64) * W
-        word = bit >> 5
-        sh = (bit & 31).to(tl.uint32)
-        tl.atomic_or(words_ptr + word, (f << sh).to(tl.int32, bitcast=True), mask=sel)
-        if 32 % W != 0:   # a field across two words
-            over = sel & (sh + W > 32)
-            tl.atomic_or(words_ptr + word + 1, (f >> (32 - tl.where(over, sh, 1))).to(tl.int32, bitcast=True),
-                         mask=over)
+        _or_field(words_ptr, j, f, sel, W)
 
 
 @_jit
@@ -185,12 +207,65 @@ def _randk_decode_kernel(codes_ptr, out_ptr, incl_ptr, scale_ptr, n, nbytes, k1,
         one = sel.to(tl.int32)
         j = before + tl.cumsum(one, axis=0) - 1
         before += tl.sum(one, axis=0)
-        bit = j.to(tl.int64) * W
-        byte = bit >> 3
-        lo = tl.load(codes_ptr + byte, mask=sel, other=0).to(tl.int32)
-        hi = tl.load(codes_ptr + byte + 1, mask=sel & (byte + 1 < nbytes), other=0).to(tl.int32)
-        f = (((hi << 8) | lo) >> (bit & 7).to(tl.int32)) & ((1 << W) - 1)
+        f = _field_at(codes_ptr, j, sel, nbytes, W)
         val = (f - s).to(tl.float32) * m
+        if RESCALE:
+            val = val * factor
+        tl.store(out_ptr + o, tl.where(sel, val, 0.0), mask=o < n)
+
+
+@_jit
+def _randk_ms_encode_kernel(x_ptr, w_ptr, lv_ptr, codes_ptr, index_ptr, incl_ptr, n, k1, k2, t, rk1, rk2, lo0,
+                            hi0, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, BLOCK: tl.constexpr,
+                            SUB: tl.constexpr):
+    """MultiScale's fields of each selected value under its own scale index (:func:`_ms_code`) at
+    its position ``j``: the code OR-ed into bits ``j·W …`` of the zeroed code words and, with
+    IW > 0, the index into bits ``j·IW …`` of the zeroed index words."""
+    w = tl.load(w_ptr)
+    lo, hi = lo0.to(tl.uint32), hi0.to(tl.uint32)
+    before = _start(incl_ptr)
+    for c in range(BLOCK // SUB):
+        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        one = sel.to(tl.int32)
+        j = before + tl.cumsum(one, axis=0) - 1
+        before += tl.sum(one, axis=0)
+        v = tl.load(x_ptr + o, mask=sel, other=0.0)
+        u = _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False)
+        f, _, ix = _ms_code(v, w, one, lv_ptr, u, o, n, one, L, True, True)
+        _or_field(codes_ptr, j, f, sel, W)
+        if IW > 0:
+            _or_field(index_ptr, j, ix.to(tl.uint32), sel, IW)
+
+
+@_jit
+def _randk_ms_check_kernel(index_ptr, bad_ptr, k, ibytes, L: tl.constexpr, IW: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Count the IW-bit indices of the ``k`` fields that name no scale (``≥ L``)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < k
+    ix = _field_at(index_ptr, j, live, ibytes, IW)
+    tl.atomic_add(bad_ptr, tl.sum((live & (ix >= L)).to(tl.int32), axis=0))
+
+
+@_jit
+def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_ptr, n, nbytes, ibytes, k1, k2, t,
+                            factor, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, RESCALE: tl.constexpr,
+                            BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Every coordinate of ``out``: MultiScale's value of the selected (:func:`_ms_value`, times
+    ``factor`` with RESCALE) from the fields at their position, zero for the others."""
+    w = tl.load(w_ptr)
+    before = _start(incl_ptr)
+    for c in range(BLOCK // SUB):
+        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        one = sel.to(tl.int32)
+        j = before + tl.cumsum(one, axis=0) - 1
+        before += tl.sum(one, axis=0)
+        f = _field_at(codes_ptr, j, sel, nbytes, W)
+        if IW > 0:
+            ix = _field_at(index_ptr, j, sel, ibytes, IW)
+        else:
+            ix = tl.zeros((SUB,), tl.int32)
+        val, _ = _ms_value(f, ix, w, q_ptr, o, n, one, L, W, True)
         if RESCALE:
             val = val * factor
         tl.store(out_ptr + o, tl.where(sel, val, 0.0), mask=o < n)
@@ -277,7 +352,19 @@ def _select(n: int, k: int, seed: int, device: torch.device, block: int) -> Opti
     return Selection(n, k, k1, k2, t, incl, block)
 
 
-# -- the RandK-MaxNorm primitives --------------------------------------------------------------------
+def _scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    sc = _flat(scale, "scale", torch.float32).to(device)
+    if sc.numel() != 1:
+        raise ValueError(f"expected one scale, got {sc.numel()}")
+    return sc
+
+
+def _factor(n: int, k: int, rescale: bool) -> float:
+    """``float32(n/k)`` (the reference multiplies by the Python float, in float32), or 1."""
+    return float(torch.tensor(n / k, dtype=torch.float32)) if rescale else 1.0
+
+
+# -- the primitives --------------------------------------------------------------------
 def subset_norm(x: torch.Tensor, k: int, seed: int, norm: str) -> Optional[torch.Tensor]:
     """As ``maxabs_scales`` (``norm="max"``) or ``l2_scales`` of ``x[random_subset(n, k, seed)]`` with
     one bucket: a float32 tensor of one element; None where the caller must take the indices."""
@@ -302,11 +389,9 @@ def subset_uniform_encode(x: torch.Tensor, k: int, seed: int, scale: torch.Tenso
         return None
     nbytes = (k * width + 7) // 8
     words = torch.zeros(-(-nbytes // 4), dtype=torch.int32, device=xv.device)
-    sc = _flat(scale, "scale", torch.float32).to(xv.device)
-    if sc.numel() != 1:
-        raise ValueError(f"expected one scale, got {sc.numel()}")
     rk1, rk2, ctr0 = _stream(rng, k)
-    _launch(_randk_encode_kernel, _grid(sel.n, sel.block), xv, words, sel.incl, sc, *sel.args(), s, rk1, rk2,
+    _launch(_randk_encode_kernel, _grid(sel.n, sel.block), xv, words, sel.incl, _scale(scale, xv.device),
+            *sel.args(), s, rk1, rk2,
             ctr0 & 0xFFFFFFFF, ctr0 >> 32, W=width, BLOCK=sel.block, SUB=_sub(sel.block),
             num_warps=TUNING["randk_warps"])
     return words.view(torch.uint8)[:nbytes]
@@ -321,14 +406,59 @@ def subset_uniform_decode(packed: torch.Tensor, scale: torch.Tensor, s: int, wid
     sel = selection(n, k, seed, data.device)
     if sel is None:
         return None
-    sc = _flat(scale, "scale", torch.float32).to(data.device)
-    if sc.numel() != 1:
-        raise ValueError(f"expected one scale, got {sc.numel()}")
     res = _out(out, n, torch.float32, data.device)
-    _launch(_randk_decode_kernel, _grid(n, sel.block), data, res, sel.incl, sc, n, data.numel(), sel.k1, sel.k2,
-            sel.t, s, float(torch.tensor(n / k, dtype=torch.float32)) if rescale else 1.0,
+    _launch(_randk_decode_kernel, _grid(n, sel.block), data, res, sel.incl, _scale(scale, data.device), n,
+            data.numel(), sel.k1, sel.k2, sel.t, s, _factor(n, k, rescale),
             W=width, RESCALE=bool(rescale), BLOCK=sel.block, SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
     return res
 
 
-__all__ = ["Selection", "selection", "subset_norm", "subset_uniform_encode", "subset_uniform_decode"]
+def subset_multiscale_encode(x: torch.Tensor, k: int, seed: int, scale: torch.Tensor, levels, width: int,
+                             index_width: int, rng: RngLike) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """As ``multiscale_encode(x[random_subset(n, k, seed)], scale, None, levels, None, width,
+    index_width, rng)`` (each value's own scale index); None where the caller must take the indices."""
+    xv = _flat(x, "x", torch.float32)
+    sel = selection(xv.numel(), k, seed, xv.device)
+    if sel is None:
+        return None
+    lv = _ms_levels(levels, xv.device)
+    nbytes, ibytes = (k * width + 7) // 8, (k * index_width + 7) // 8
+    codes = torch.zeros(-(-nbytes // 4), dtype=torch.int32, device=xv.device)
+    index = torch.zeros(-(-ibytes // 4), dtype=torch.int32, device=xv.device) if index_width else None
+    rk1, rk2, ctr0 = _stream(rng, k)
+    _launch(_randk_ms_encode_kernel, _grid(sel.n, sel.block), xv, _scale(scale, xv.device), lv, codes,
+            codes if index is None else index, sel.incl, *sel.args(), rk1, rk2, ctr0 & 0xFFFFFFFF, ctr0 >> 32,
+            L=lv.numel(), W=width, IW=index_width, BLOCK=sel.block, SUB=_sub(sel.block),
+            num_warps=TUNING["randk_warps"])
+    return codes.view(torch.uint8)[:nbytes], None if index is None else index.view(torch.uint8)[:ibytes]
+
+
+def subset_multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scale: torch.Tensor, levels,
+                             width: int, index_width: int, k: int, seed: int, n: int, rescale: bool,
+                             out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """As ``multiscale_decode(codes, index, scale, levels, None, width, index_width, k)`` scattered to
+    ``random_subset(n, k, seed)`` of a zero vector of ``n`` (times ``float32(n/k)`` with
+    ``rescale``); corrupt indices raise PayloadError before ``out`` is touched; None where the
+    caller must take the indices (``out`` then untouched)."""
+    cv = _payload(codes, (k * width + 7) // 8, f"{width}-bit codes")
+    ibytes = (k * index_width + 7) // 8
+    iv = _payload(index, ibytes, f"{index_width}-bit indices") if index_width else cv
+    sel = selection(n, k, seed, cv.device)
+    if sel is None:
+        return None
+    q = _ms_quotients(levels, width, cv.device)
+    L = q.shape[0]
+    if index_width and L < (1 << index_width):   # (an index can name no scale: checked first)
+        bad = torch.zeros(1, dtype=torch.int32, device=cv.device)
+        _launch(_randk_ms_check_kernel, _grid(k, _SUB), iv, bad, k, ibytes, L=L, IW=index_width, BLOCK=_SUB)
+        if int(bad):   # (a host read, as the decode of all values makes)
+            raise PayloadError(f"multiscale: corrupt scale index (>= {L} scales)")
+    res = _out(out, n, torch.float32, cv.device)
+    _launch(_randk_ms_decode_kernel, _grid(n, sel.block), cv, iv, _scale(scale, cv.device), q, res, sel.incl, n,
+            cv.numel(), ibytes, sel.k1, sel.k2, sel.t, _factor(n, k, rescale), L=L, W=width, IW=index_width,
+            RESCALE=bool(rescale), BLOCK=sel.block, SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
+    return res
+
+
+__all__ = ["Selection", "selection", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
+           "subset_multiscale_encode", "subset_multiscale_decode"]

@@ -216,6 +216,10 @@ class _GlobalRandK(SummableQuantizer):
             raise ValueError(f"{self.name}: needs shared_seed= (common to all workers) to pick coordinates")
         return shared_seed
 
+    def _indices(self, numel: int, seed: int, device: torch.device) -> Callable[[], torch.Tensor]:
+        """The selection as the subset primitives ask for it (only where they gather)."""
+        return lambda: self.coordinates(numel, seed, device)
+
     def _select(self, v: torch.Tensor, shared_seed: Optional[int]) -> torch.Tensor:
         return v[self.coordinates(v.numel(), self._need_seed(shared_seed), v.device)]
 
@@ -293,9 +297,6 @@ class RandKMaxNorm(_GlobalRandK):
 
     # MaxNorm on the subset through the primitives that take it whole (kernels.subset_*): with the
     # Triton backend no index or gathered value is stored; elsewhere they gather from the indices
-    def _indices(self, numel: int, seed: int, device: torch.device) -> Callable[[], torch.Tensor]:
-        return lambda: self.coordinates(numel, seed, device)
-
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         seed = self._need_seed(shared_seed)
         n = v.numel()
@@ -342,3 +343,37 @@ class RandKMultiScale(_GlobalRandK):
         v = self._flatten(x, None)
         return self.inner._indices(self._select(v, shared_seed),
                                    torch.as_tensor(scale).to(device=v.device, dtype=torch.float32))
+
+    # An encode under its own indices (no protocol's shared ones) goes through the subset primitives,
+    # which never store the indices, the gathered values or the per-value scale indices on the
+    # Triton backend (as MultiScale computes each value's index as it encodes); under shared indices
+    # (a byte a selected value, made by the protocol) it gathers.
+    def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
+        seed = self._need_seed(ctx.shared_seed)
+        n, k = v.numel(), self.num_selected(v.numel())
+        w = kernels.subset_norm(v, k, seed, self.norm, self._indices(n, seed, v.device))
+        index = torch.zeros((), dtype=torch.uint8, device=v.device).expand(k)   # (a zero-stride stand-in)
+        return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(index, "min")}
+
+    def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
+        if ctx.shared["scale_index"] is not ctx.own["scale_index"].value:
+            return super()._encode(v, ctx)
+        seed = self._need_seed(ctx.shared_seed)
+        n, inner = v.numel(), self.inner
+        w = ctx.shared["scale"].to(torch.float32)
+        check_shared_scale(inner.name, w, ctx.own["scale"].value)
+        codes, index = kernels.subset_multiscale_encode(v, self.num_selected(n), seed, w, inner.levels, inner.width,
+                                                        inner.index_width, ctx.rng, self._indices(n, seed, v.device))
+        fields = {"seed": torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device), "codes": codes}
+        if inner.index_width:
+            fields["index"] = index
+        fields["scales"] = w
+        return fields
+
+    def _decode_selected(self, fields: Mapping[str, torch.Tensor], numel: int,
+                         out: Optional[torch.Tensor]) -> torch.Tensor:
+        seed = int(fields["seed"].reshape(-1)[0])
+        codes, inner = fields["codes"], self.inner
+        return kernels.subset_multiscale_decode(codes, fields.get("index"), fields["scales"], inner.levels,
+                                                inner.width, inner.index_width, self.num_selected(numel), seed,
+                                                numel, self.rescale, self._indices(numel, seed, codes.device), out)
