@@ -188,9 +188,11 @@ def test_gradq_train_exits_nonzero_with_the_message_and_an_intact_log(tmp_path, 
     if sig == signal.SIGSTOP:
         # rank 0 reports the stall itself after the 3 s limit, naming the collective it waited in: the
         # hook's (with the step) or, when the stop lands at an epoch's end (22 steps of a few ms each
-        # race past the 5 the test waits for), the runner's all-reduce of the epoch's statistics
+        # race past the 5 the test waits for), the runner's all-reduce of the epoch's statistics or
+        # its barrier while rank 0 evaluates (seen once in a full run on a loaded host)
         in_hook = "gradq: rank 0: error: gradq_hook: step" in stderr and "waiting for" in stderr
-        at_epoch_end = "gradq: rank 0: error: the all-reduce of epoch" in stderr
+        at_epoch_end = any(f"gradq: rank 0: error: {where}" in stderr
+                           for where in ("the all-reduce of epoch", "the barrier after epoch"))
         assert in_hook or at_epoch_end, stderr[-2000:]
         assert "no answer within 3 s" in stderr, stderr[-2000:]
     assert took < 3 + MARGIN, took

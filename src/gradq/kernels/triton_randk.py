@@ -171,6 +171,14 @@ def _field_at(data_ptr, j, sel, nbytes, W: tl.constexpr):
 
 
 @_jit
+def _places(sel, before):
+    """The positions of a step's selected counters after the ``before`` selected ahead of it, and the
+    count after the step."""
+    one = sel.to(tl.int32)
+    return before + tl.cumsum(one, axis=0) - 1, before + tl.sum(one, axis=0)
+
+
+@_jit
 def _start(incl_ptr):
     """The position of this program's first selected counter: the running sum before it."""
     pid = tl.program_id(0)
@@ -187,9 +195,7 @@ def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t, s,
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
         o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
-        one = sel.to(tl.int32)
-        j = before + tl.cumsum(one, axis=0) - 1
-        before += tl.sum(one, axis=0)
+        j, before = _places(sel, before)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         f = _field_r(v, r, s, 0.0, _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False), False).to(tl.uint32)
         _or_field(words_ptr, j, f, sel, W)
@@ -204,9 +210,7 @@ def _randk_decode_kernel(codes_ptr, out_ptr, incl_ptr, scale_ptr, n, nbytes, k1,
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
         o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
-        one = sel.to(tl.int32)
-        j = before + tl.cumsum(one, axis=0) - 1
-        before += tl.sum(one, axis=0)
+        j, before = _places(sel, before)
         f = _field_at(codes_ptr, j, sel, nbytes, W)
         val = (f - s).to(tl.float32) * m
         if RESCALE:
@@ -226,12 +230,10 @@ def _randk_ms_encode_kernel(x_ptr, w_ptr, lv_ptr, codes_ptr, index_ptr, incl_ptr
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
         o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
-        one = sel.to(tl.int32)
-        j = before + tl.cumsum(one, axis=0) - 1
-        before += tl.sum(one, axis=0)
+        j, before = _places(sel, before)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         u = _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False)
-        f, _, ix = _ms_code(v, w, one, lv_ptr, u, o, n, one, L, True, True)
+        f, _, ix = _ms_code(v, w, j, lv_ptr, u, o, n, j, L, True, True)   # (OWN: no ix read, no count)
         _or_field(codes_ptr, j, f, sel, W)
         if IW > 0:
             _or_field(index_ptr, j, ix.to(tl.uint32), sel, IW)
@@ -257,15 +259,13 @@ def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_pt
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
         o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
-        one = sel.to(tl.int32)
-        j = before + tl.cumsum(one, axis=0) - 1
-        before += tl.sum(one, axis=0)
+        j, before = _places(sel, before)
         f = _field_at(codes_ptr, j, sel, nbytes, W)
         if IW > 0:
             ix = _field_at(index_ptr, j, sel, ibytes, IW)
         else:
             ix = tl.zeros((SUB,), tl.int32)
-        val, _ = _ms_value(f, ix, w, q_ptr, o, n, one, L, W, True)
+        val, _ = _ms_value(f, ix, w, q_ptr, o, n, j, L, W, True)   # (the bad count: the check before)
         if RESCALE:
             val = val * factor
         tl.store(out_ptr + o, tl.where(sel, val, 0.0), mask=o < n)
