@@ -15,7 +15,9 @@ The backend is four modules, and this one exports all of their functions:
 * :mod:`.triton_multiscale`: MultiScale;
 * :mod:`.triton_common`: the interpreter switch, the launch settings, the device helpers they share
   and the argument checks (and :mod:`.triton_elias`, the Elias stream, which the QSGD quantizer calls,
-  and :mod:`.triton_subset`, RandK's shared subset, which :func:`gradq.kernels.random_subset` calls).
+  :mod:`.triton_subset`, RandK's shared subset, which :func:`gradq.kernels.random_subset` calls, and
+  :mod:`.triton_randk`, the RandK variants on a subset never stored, which the ``subset_*``
+  primitives call).
 
 How the kernels reproduce the reference:
 
@@ -43,7 +45,8 @@ How the kernels reproduce the reference:
 
 Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
 the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
-count per call, and RandK's subset reads its count of candidates once per new shared seed.
+count per call, and RandK's subset reads its count of candidates (or the RandK variants their
+``K``-th draw) once per new shared seed.
 """
 
 from __future__ import annotations
