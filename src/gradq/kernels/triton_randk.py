@@ -49,7 +49,7 @@ from ..errors import PayloadError
 from ..random import RandomStream
 from ._args import RngLike, _stream
 from .subset import _candidate_limit
-from .triton_common import TUNING, _flat, _grid, _jit, _launch, _out, _payload, _uniform_at, tl
+from .triton_common import TUNING, _flat, _grid, _jit, _launch, _out, _payload, _uniform_at, _vector, tl
 from .triton_multiscale import _ms_code, _ms_levels, _ms_quotients, _ms_value
 from .triton_ops import _field_r, _recip_s
 from .triton_subset import _draw
@@ -353,10 +353,7 @@ def _select(n: int, k: int, seed: int, device: torch.device, block: int) -> Opti
 
 
 def _scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    sc = _flat(scale, "scale", torch.float32).to(device)
-    if sc.numel() != 1:
-        raise ValueError(f"expected one scale, got {sc.numel()}")
-    return sc
+    return _vector(scale, 1, "scale", torch.float32, device)   # (the one bucket's)
 
 
 def _factor(n: int, k: int, rescale: bool) -> float:
