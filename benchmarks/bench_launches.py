@@ -11,7 +11,11 @@ CUDA tensors:
 * ``torch``: torch operators that run a device kernel (every aten operator except views, shape
   and metadata operators and allocations, which launch nothing on a GPU);
 * ``host reads``: operators that bring a device value to the host (``.item()``, ``int(t)``,
-  ``float(t)``, ``bool(t)``), each a synchronization on a GPU;
+  ``float(t)``, ``bool(t)``, ``torch.equal``), and ``.tolist()`` or ``.cpu()`` of a tensor on the device (an input
+  of the call, a kernel's argument or a result of a device operation, not one made from host
+  data), each a synchronization on a GPU. On a CPU tensor ``.tolist()`` and ``.cpu()`` run no
+  operator, so they are caught by name. The encode's look at its non-finite witness, which sums a
+  CPU field with NumPy, is counted as its CUDA branch runs it (a ``sum`` and a host read);
 * ``from host``: tensors made from host data (``torch.tensor(list, device=...)``), each a copy
   from pageable memory on a GPU;
 * ``peak``: the most bytes held at once by tensors the call allocated (outputs of operators whose
@@ -29,6 +33,7 @@ for the host-side cost per call, to be set against times measured on a GPU.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import weakref
@@ -49,6 +54,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 from gradq.kernels import triton_randk as RK  # noqa: E402
+from gradq.quantizers import base as QB  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
@@ -57,6 +63,8 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias",
              "view_as_real", "resolve_conj", "resolve_neg", "unfold", "flatten", "narrow", "_reshape_alias",
              "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "contiguous"}
 HOST_READ = {"_local_scalar_dense", "item"}
+#: operators that run a device kernel and return its result to the host (a host read as well)
+READ_TOO = {"equal"}
 FROM_HOST = {"lift_fresh"}
 
 
@@ -64,19 +72,36 @@ class Count(TorchDispatchMode):
     """Counts the aten operators run outside Triton launches (the interpreter's own copies of a
     kernel's arguments are not the program's)."""
 
-    def __init__(self):
+    def __init__(self, inputs=()):
         super().__init__()
         self.ops: Counter = Counter()
         self.in_launch = False
         self.live: dict[int, list[int]] = {}   # storage address -> [bytes, tensors made on it]
         self.held = 0
         self.peak = 0
+        # storages on the device (the call's inputs, kernels' arguments, results of device
+        # operations) and storages of host data (made from host data, or only from such)
+        self.device: set[int] = set()
+        self.host: set[int] = set()
+        self.note_device(inputs)
+
+    def note_device(self, obj) -> None:
+        self.device.update(t.untyped_storage().data_ptr() for t in _tensors(obj))
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         res = func(*args, **(kwargs or {}))
         if not self.in_launch:
-            self.ops[func.__name__.split(".")[0]] += 1
+            name = func.__name__.split(".")[0]
+            self.ops[name] += 1
             inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            outs = {t.untyped_storage().data_ptr() for t in _tensors(res)} - {0}
+            if name in FROM_HOST or (inputs and inputs <= self.host):
+                self.host |= outs
+            elif name not in HOST_READ:
+                self.device |= outs - self.host
             for t in _tensors(res):
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
@@ -110,13 +135,16 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def counts(fn) -> tuple[int, int, int, int, int, Counter]:
+def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
+    """Launches, torch operators, host reads, tensors from host data, peak bytes and the operators
+    of ``fn()``; ``inputs``: the tensors it is given, which live on the device."""
     launches = [0]
     real = C._launch
-    c = Count()
+    c = Count(inputs)
 
     def counting(kernel, grid, *a, **kw):
         launches[0] += 1
+        c.note_device((a, kw))
         c.in_launch = True
         try:
             return real(kernel, grid, *a, **kw)
@@ -126,17 +154,30 @@ def counts(fn) -> tuple[int, int, int, int, int, Counter]:
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
     mods = (C, T, L, M, S, X, RK)
+    reads = [0]
+    tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, QB._sum_is_finite
+
+    def reading(method):
+        def read(self, *a, **kw):
+            if not c.in_launch and c.on_device(self):
+                reads[0] += 1
+            return method(self, *a, **kw)
+        return read
+
     for m in mods:
         m._launch = counting
+    torch.Tensor.tolist, torch.Tensor.cpu = reading(tolist), reading(cpu)
+    QB._sum_is_finite = lambda t: math.isfinite(float(t.sum()))   # the CUDA branch
     try:
         with c:
             fn()
     finally:
         for m in mods:
             m._launch = real
+        torch.Tensor.tolist, torch.Tensor.cpu, QB._sum_is_finite = tolist, cpu, witness
     torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL | HOST_READ | FROM_HOST)
-    reads = sum(v for k, v in c.ops.items() if k in HOST_READ)
-    return (launches[0], torch_ops, reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.peak,
+    host_reads = sum(v for k, v in c.ops.items() if k in HOST_READ | READ_TOO) + reads[0]
+    return (launches[0], torch_ops, host_reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.peak,
             c.ops)
 
 
@@ -159,8 +200,8 @@ def main() -> None:
         q = gradq.build(spec)
         p = q.encode(x, seed=1)
         q.decode(p, out=dst)
-        e = counts(lambda: q.encode(x, seed=2))
-        d = counts(lambda: q.decode(p, out=dst))
+        e = counts(lambda: q.encode(x, seed=2), inputs=x)
+        d = counts(lambda: q.decode(p, out=dst), inputs=(dst, *p.fields.values()))
         cells = [*map(str, e[:4]), f"{e[4] / p.nbytes:.2f}", *map(str, d[:4]), f"{d[4] / x.nbytes:.2f}"]
         print(f"| {q.spec} | {' | '.join(cells)} |", flush=True)
         if args.ops:

@@ -221,7 +221,8 @@ class QSGD(Quantizer):
 
     def _check_crc(self, fields: Mapping[str, torch.Tensor], numel: int) -> None:
         names = [k for k in self.wire_fields(numel) if k not in ("scales", "crc")]
-        if not torch.equal(kernels.crc32_field(*(fields[k] for k in names)).cpu(), fields["crc"].cpu()):
+        got = kernels.crc32_field(*(fields[k] for k in names))
+        if not torch.equal(got, fields["crc"].to(got.device)):   # (one host read, on the device's result)
             raise PayloadError(f"{self.name}: corrupt payload: the CRC-32 of the coded codes does not match "
                                "(truncated, extended or altered bytes)")
 
