@@ -6,9 +6,11 @@ bytes and floats for the same seed, and the tests compare them with these functi
 used wherever no fast backend applies, or when ``GRADQ_KERNELS=torch`` (or ``0``) asks for it.
 
 The first half holds the math the quantizer families share (bucket views and norms, stochastic
-rounding, uniform codes, level construction and rounding, pairwise sums, BinGrad's statistics); the
-second half the kernel API, whose functions take and return exactly what the other backends'
-functions of the same names do (packed bytes, per-bucket scales or levels).
+rounding, uniform codes, TernGrad's σ and clip); the second half the kernel API, whose functions take
+and return exactly what the other backends' functions of the same names do (packed bytes, per-bucket
+scales or levels). Two families live in modules of their own, whose names this module exports: the
+schemes with per-bucket levels (ORQ and Linear, :mod:`gradq.kernels.reference_levels`) and the
+one-bit schemes (:mod:`gradq.kernels.reference_binary`).
 
 Arithmetic (float32 throughout unless named): uniform codes ``r = s / scale`` (torch evaluates it as
 ``float32(1/scale)·s``; a zero scale reads as 1), ``a = |x|·r`` (``0·inf`` from a denormal scale is
@@ -33,13 +35,16 @@ from ..random import RandomStream
 __all__ = [
     # shared math
     "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "FLOAT32_MAX", "saturate_norm",
-    "stochastic_round",
-    "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std", "orq_levels", "linear_levels",
-    "round_to_levels", "check_level_count", "linear_positions", "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold",
-    "bingrad_b_levels",
+    "stochastic_round", "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std",
+    # levels (reference_levels)
+    "orq_levels", "linear_levels", "round_to_levels", "check_level_count", "linear_positions", "sort_rows",
+    "orq_shift", "orq_fixed",
+    # one bit (reference_binary)
+    "SUM_BLOCK", "pairwise_row_sum", "masked_mean", "bingrad_pb_threshold", "bingrad_b_levels",
     # the kernel API
-    "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "l2_uniform_encode", "uniform_encode_trits", "uniform_decode",
-    "uniform_decode_trits", "uniform_decode_mean", "uniform_decode_trits_mean", "terngrad_stats",
+    "maxabs_scales", "l2_scales", "uniform_encode", "maxabs_uniform_encode", "l2_uniform_encode",
+    "uniform_encode_trits", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
+    "uniform_decode_trits_mean", "terngrad_stats",
     "levels_encode", "levels_decode", "orq_encode", "linear_encode", "threshold_encode", "sign_encode",
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
     "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
@@ -47,9 +52,6 @@ __all__ = [
 ]
 
 RngLike = Union[RandomStream, int]
-
-#: length of the runs that :func:`pairwise_row_sum` folds before folding the run sums
-SUM_BLOCK = 4096
 
 
 # == shared math ==================================================================================
@@ -179,198 +181,6 @@ def clip_by_std(v: torch.Tensor, c: Optional[float]) -> torch.Tensor:
     # sigma == 0 (constant vector): no clipping (the TernGrad module docstring says why)
     bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf")))
     return torch.clamp(v, -bound, bound)
-
-
-def _check_level_matrix(mat: torch.Tensor, L: int) -> None:
-    if mat.dim() != 2 or mat.shape[1] == 0:
-        raise ValueError(f"expected a (buckets, d) matrix with d >= 1, got shape {tuple(mat.shape)}")
-    check_level_count(L)
-
-
-def check_level_count(L: int) -> None:
-    """ORQ's and Linear's level counts are ``2^k + 1``: refuse any other."""
-    if L < 2 or (L - 1) & (L - 2):
-        raise ValueError(f"L must be 2^k + 1 (3, 5, 9, 17, ...), got {L}")
-
-
-def linear_positions(d: int, L: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Linear-L's sorted positions in a row of ``d`` values: ``round(i·(d − 1)/(L − 1))`` for
-    ``i = 0 … L−1`` (int64; float64 arithmetic, ties to even). Every backend takes them from here."""
-    pos = torch.round(torch.arange(L, dtype=torch.float64, device=device) * ((d - 1) / (L - 1)))
-    return pos.to(torch.int64)
-
-
-def sort_rows(mat: torch.Tensor) -> torch.Tensor:
-    """Every row of ``mat`` as float32, sorted ascending with ``−0.0`` before ``+0.0``.
-
-    ``torch.sort`` leaves the two zeros, which compare equal, in whatever order its algorithm does,
-    and the CPU's and CUDA's algorithms differ; a level that is a zero would then have another sign
-    on each device. The rows are sorted as order-preserving integer keys instead (the bits of a
-    negative float with its magnitude bits flipped), which every device and backend orders alike."""
-    bits = mat.to(torch.float32).contiguous().view(torch.int32)
-    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).sort(dim=1).values
-    return (keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(torch.float32)
-
-
-def orq_shift(mat: torch.Tensor) -> torch.Tensor:
-    """ORQ's fixed-point shift per row of ``mat`` (``(nb, d)`` float32): ``sh = 61 − E − ⌈log2 d⌉``,
-    where ``2^E`` bounds the row's largest magnitude (``E = max(e, 1) − 126`` from the float32 exponent
-    field ``e`` of ``max|g|``). Every ``⌊g·2^sh⌋`` then has magnitude ``< 2^61/2^⌈log2 d⌉``, so the
-    integer sums of :func:`orq_levels` cannot overflow int64. int64, one per row."""
-    d = mat.shape[1]
-    top = mat.to(torch.float32).abs().amax(dim=1).contiguous().view(torch.int32)
-    e = ((top >> 23) & 0xFF).to(torch.int64).clamp_(min=1) - 126
-    return 61 - e - (d - 1).bit_length()
-
-
-def orq_fixed(v: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
-    """``⌊v·2^sh⌋`` as int64 (``v`` float32, ``sh`` broadcastable int64): exact, because a float32
-    times a power of two is exact in float64 (the power is built from its bits, never rounded)."""
-    p2 = ((sh + 1023) << 52).view(torch.float64)
-    return torch.floor(v.to(torch.float64) * p2).to(torch.int64)
-
-
-def orq_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
-    """ORQ's ``L`` levels for each row of ``mat`` (a ``(nb, d)`` float matrix): an ``(nb, L)`` float32
-    matrix with sorted rows, first column the row minimum and last the maximum (the algorithm is in
-    :mod:`gradq.quantizers.orq`'s docstring).
-
-    The split of an interval ``[a, b]`` holding the segment's ``n`` values is the first sorted value
-    strictly inside ``(a, b)`` where the slope ``h = Σ_{left}(g − a) − Σ_{right}(b − g)`` (left: the
-    segment's first ``k`` values) is ``≥ 0``. Since every value is in exactly one of the two sums,
-    ``h = k·(b − a) − Σ_{segment}(b − g)``: the split is the value of rank ``k = ⌈R/(b − a)⌉`` with
-    ``R = Σ(b − g)``, moved up past the values equal to ``a``. ``R`` and ``b − a`` are computed
-    exactly, in integers: every value as ``⌊g·2^sh⌋`` (:func:`orq_shift`, :func:`orq_fixed`). Integer
-    sums do not depend on their order, so every backend (a parallel GPU reduction too) finds the same
-    rank, and the level is then a value of the bucket, bit for bit."""
-    _check_level_matrix(mat, L)
-    nb, d = mat.shape
-    srt = sort_rows(mat)
-    sh = orq_shift(srt).unsqueeze(1)
-    fix = orq_fixed(srt, sh)
-    lv = torch.stack([srt[:, 0], srt[:, -1]], dim=1)
-    for _ in range(int(round(math.log2(L - 1)))):
-        m = lv.shape[1]
-        # interval of every sorted value: [lv[j], lv[j+1]); the maximum goes to the last interval
-        ids = (torch.searchsorted(lv, srt, right=True) - 1).clamp_(0, m - 2)
-        lo, hi = lv[:, :-1], lv[:, 1:]
-        count = torch.zeros(nb, m - 1, dtype=torch.int64, device=mat.device)
-        count.scatter_add_(1, ids, torch.ones_like(ids))
-        total = torch.zeros_like(count).scatter_add_(1, ids, fix)
-        at_lo = torch.zeros_like(count).scatter_add_(1, ids, (srt == lo.gather(1, ids)).to(torch.int64))
-        at_hi = torch.zeros_like(count).scatter_add_(1, ids, (srt == hi.gather(1, ids)).to(torch.int64))
-        a_fix, b_fix = orq_fixed(lo, sh), orq_fixed(hi, sh)
-        gap = b_fix - a_fix                           # >= 0; every value's fixed point lies in [a_fix, b_fix]
-        need = count * b_fix - total                  # R = Σ (b − g) over the segment, >= 0
-        safe = gap.clamp(min=1)
-        k = torch.where(gap > 0, need // safe + (need % safe > 0).to(torch.int64), torch.ones_like(need))
-        rank = torch.maximum(k.clamp(min=1), at_lo + 1)
-        found = rank <= count - at_hi
-        first = count.cumsum(dim=1) - count
-        c = srt.gather(1, (first + rank - 1).clamp(0, d - 1))
-        # none: halves first (no overflow), then clamp, since with equal odd denormal ends 0.5a + 0.5a
-        # can leave [a, b]; a tie keeps the midpoint (torch.maximum/minimum break ties on ±0 by device)
-        mid = 0.5 * lo + 0.5 * hi
-        mid = torch.where(mid > hi, hi, torch.where(mid < lo, lo, mid))
-        c = torch.where(found, c, mid)
-        lv = torch.cat([torch.stack([lv[:, :-1], c], dim=2).reshape(nb, -1), lv[:, -1:]], dim=1)
-    return lv
-
-
-def linear_levels(mat: torch.Tensor, L: int) -> torch.Tensor:
-    """Linear-L's levels per row: ``sorted[round(i·(d − 1)/(L − 1))]`` for ``i = 0 … L−1``."""
-    _check_level_matrix(mat, L)
-    d = mat.shape[1]
-    return sort_rows(mat)[:, linear_positions(d, L, mat.device)]
-
-
-def round_to_levels(mat: torch.Tensor, levels: torch.Tensor, rng: RandomStream) -> torch.Tensor:
-    """Unbiased stochastic rounding of every entry of ``mat`` (``(nb, d)``) onto its row of sorted
-    ``levels`` (``(nb, L)``, covering the row's range); returns int64 level indices in ``[0, L−1]``."""
-    L = levels.shape[1]
-    x = mat.to(torch.float32).contiguous()
-    hi = torch.searchsorted(levels.contiguous(), x).clamp_(max=L - 1)
-    lo = (hi - 1).clamp_(min=0)
-    l_hi = levels.gather(1, hi)
-    l_lo = levels.gather(1, lo)
-    gap = l_hi - l_lo
-    p = torch.where(gap > 0, (x - l_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)),
-                    torch.zeros_like(gap))
-    u = rng.uniform(x.numel(), x.device).view(x.shape)
-    return torch.where(u < p, hi, lo)
-
-
-def _fold(mat: torch.Tensor) -> torch.Tensor:
-    """Fold the columns in half until one is left: column ``i + h`` is added to column ``i``
-    (``h = ⌊w/2⌋``); an odd last column moves to position ``h``."""
-    while mat.shape[1] > 1:
-        w = mat.shape[1]
-        h = w // 2
-        s = mat[:, :h] + mat[:, h:2 * h]
-        mat = torch.cat([s, mat[:, 2 * h:]], dim=1) if w % 2 else s
-    return mat[:, 0]
-
-
-def pairwise_row_sum(mat: torch.Tensor) -> torch.Tensor:
-    """Per-row sum of ``mat`` (``(k, d)``) in a fixed pairwise order: each run of ``SUM_BLOCK``
-    (4096) consecutive entries (the last run may be shorter) is folded in half repeatedly (entry
-    ``i + h`` added to entry ``i``, an odd last entry kept), then the run sums are folded the same way.
-
-    Every float64 bucket sum of the one-bit schemes goes through here, so the order is part of the
-    result. It replaces ``torch.sum``, whose order depends on the CPU's vector width and, for a
-    single long row, on the thread count, so no kernel could reproduce it; this order the kernels
-    reproduce bit for bit. It is as accurate (error ``O(log d)`` ulps) and gives the same bits on
-    every device and thread count (it is made of elementwise additions only)."""
-    if mat.dim() != 2:
-        raise ValueError(f"expected a (rows, d) matrix, got shape {tuple(mat.shape)}")
-    k, d = mat.shape
-    if d == 0:
-        return mat.new_zeros(k)
-    if d <= SUM_BLOCK:
-        return _fold(mat)
-    q, r = divmod(d, SUM_BLOCK)
-    parts = [_fold(mat[:, :q * SUM_BLOCK].reshape(k * q, SUM_BLOCK)).view(k, q)]
-    if r:
-        parts.append(_fold(mat[:, q * SUM_BLOCK:]).unsqueeze(1))
-    return _fold(torch.cat(parts, dim=1))
-
-
-def masked_mean(mat64: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """Per-row mean of the entries of ``mat64`` where ``mask``; ``empty`` where no entry is selected.
-    The sum runs over the whole row (``+0.0`` where the mask is off) in :func:`pairwise_row_sum`'s order."""
-    cnt = mask.sum(dim=1)
-    tot = pairwise_row_sum(torch.where(mask, mat64, torch.zeros_like(mat64)))
-    return torch.where(cnt > 0, tot / cnt.clamp(min=1), empty)
-
-
-def bingrad_pb_threshold(mat: torch.Tensor) -> torch.Tensor:
-    """BinGrad-pb's optimal ``b`` per row of ``mat`` (``(nb, d)``), as float32 (the derivation is in
-    :mod:`gradq.quantizers.binary`'s docstring)."""
-    if mat.dim() != 2 or mat.shape[1] == 0:
-        raise ValueError(f"expected a (buckets, d) matrix with d >= 1, got shape {tuple(mat.shape)}")
-    d = mat.shape[1]
-    a = mat.to(torch.float32).abs().sort(dim=1).values.to(torch.float64)   # a_1 .. a_d
-    tail = a.flip(1).cumsum(dim=1).flip(1)                                  # tail[:, k] = S_k, k < d
-    # first k in 0..d with d*a_{k+1} >= S_k (k = d always qualifies); the test is monotone in k
-    k = (d * a < tail).sum(dim=1, keepdim=True)
-    s_k = torch.cat([tail, torch.zeros_like(tail[:, :1])], dim=1).gather(1, k)
-    a_k = torch.cat([torch.zeros_like(a[:, :1]), a], dim=1).gather(1, k)
-    return torch.maximum(s_k / d, a_k).squeeze(1).to(torch.float32)
-
-
-def bingrad_b_levels(mat: torch.Tensor, iters: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BinGrad-b per row of ``mat``: ``(t, b0, b1)`` after ``iters`` Lloyd iterations (float64);
-    a value ``g`` maps to ``b1`` if ``g ≥ t`` else ``b0``."""
-    m64 = mat.to(torch.float64)
-    t = pairwise_row_sum(m64) / mat.shape[1]
-    b0 = b1 = t
-    for step in range(iters + 1):
-        if step:
-            t = 0.5 * (b0 + b1)
-        upper = m64 >= t.unsqueeze(1)
-        b0 = masked_mean(m64, ~upper, t)
-        b1 = masked_mean(m64, upper, t)
-    return t, b0, b1
 
 
 # == the kernel API ===============================================================================
@@ -505,174 +315,6 @@ def terngrad_stats(x: torch.Tensor, clip: Optional[float], bucket: Optional[int]
     return bound, maxabs_scales(v, bucket, clip=bound)
 
 
-def _level_rows(levels: torch.Tensor, n: int, bucket: Optional[int]) -> torch.Tensor:
-    nb = num_buckets(n, bucket)
-    if levels.dim() != 2 or levels.shape[0] != nb:
-        raise ValueError(f"levels must be a ({nb}, L) float32 tensor, one row per bucket")
-    return levels.to(torch.float32)
-
-
-def levels_encode(x: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, rng: RngLike,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Unbiased stochastic rounding of every element onto its bucket's sorted row of ``levels``,
-    packed as ``width``-bit indices; the stream advances by ``n``."""
-    v = x.detach().reshape(-1)
-    lv = _level_rows(levels, v.numel(), bucket).to(v.device)
-    if lv.shape[1] > (1 << width):
-        raise ValueError(f"{lv.shape[1]} level indices do not fit in {width} bits")
-    st = _stream(rng)
-    idx, row = [], 0
-    for mat in bucket_chunks(v, bucket):
-        idx.append(round_to_levels(mat, lv[row:row + mat.shape[0]], st).reshape(-1))
-        row += mat.shape[0]
-    codes = torch.cat(idx) if idx else v.new_zeros(0, dtype=torch.int64)
-    return _into(pack_bits(codes, width), out)
-
-
-def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], width: int, n: int,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``levels[b, index]`` for ``n`` packed indices; an index ``≥ L`` raises PayloadError."""
-    lv = _level_rows(levels, n, bucket)
-    L = lv.shape[1]
-    codes = unpack_bits(packed, width, n).to(device=lv.device, dtype=torch.int64)
-    if bool((codes >= L).any()):
-        raise PayloadError(f"level index out of range [0, {L - 1}]")
-    return _into(lv.reshape(-1)[bucket_index(n, bucket, lv.device) * L + codes], out)
-
-
-def _level_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
-                  make_levels, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    v = x.detach().reshape(-1).to(torch.float32)
-    if L > (1 << width):
-        raise ValueError(f"{L} level indices do not fit in {width} bits")
-    st = _stream(rng)
-    codes, levels = [], []
-    for mat in bucket_chunks(v, bucket):
-        lv = make_levels(mat, L)
-        codes.append(round_to_levels(mat, lv, st).reshape(-1))
-        levels.append(lv)
-    if not codes:
-        return _into(pack_bits(v.new_zeros(0, dtype=torch.int64), width), out), v.new_zeros(0, L)
-    return _into(pack_bits(torch.cat(codes), width), out), torch.cat(levels)
-
-
-def orq_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
-               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ORQ-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
-    return _level_encode(x, L, bucket, width, rng, orq_levels, out)
-
-
-def linear_encode(x: torch.Tensor, L: int, bucket: Optional[int], width: int, rng: RngLike,
-                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linear-L encode of a float32 vector: ``(packed width-bit level indices, (nb, L) levels)``."""
-    return _level_encode(x, L, bucket, width, rng, linear_levels, out)
-
-
-def threshold_encode(x: torch.Tensor, thresholds: torch.Tensor, bucket: Optional[int],
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Bits ``float64(x) >= thresholds[b]`` (float64, one per bucket) packed 8 per byte."""
-    v = x.detach().reshape(-1)
-    n = v.numel()
-    t = thresholds.reshape(-1).to(device=v.device, dtype=torch.float64)
-    if t.numel() != num_buckets(n, bucket):
-        raise ValueError(f"expected {num_buckets(n, bucket)} thresholds, got {t.numel()}")
-    bits = v.to(torch.float64) >= t[bucket_index(n, bucket, v.device)]
-    return _into(pack_bits(bits.to(torch.int64), 1), out)
-
-
-def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Bits ``x >= 0`` (−0.0 gives 1) packed 8 per byte: the code of SignSGD and 1BitSGD."""
-    return _into(pack_bits((x.detach().reshape(-1) >= 0).to(torch.int64), 1), out)
-
-
-def bit_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[int], n: int,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One bit per element: ``levels`` ``(nb, 2)`` gives ``levels[b, bit]``; ``(nb,)`` or ``(nb, 1)``
-    gives ``levels[b]·float32(2·bit − 1)``."""
-    lv = levels.to(torch.float32)
-    bits = unpack_bits(packed, 1, n).to(device=lv.device, dtype=torch.int64)
-    bidx = bucket_index(n, bucket, lv.device)
-    if lv.dim() == 2 and lv.shape[1] == 2:
-        return _into(lv.reshape(-1)[bidx * 2 + bits], out)
-    return _into(lv.reshape(-1)[bidx] * (2 * bits - 1).to(torch.float32), out)
-
-
-def sign_scale_stats(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled SignSGD's per-row ``(float64 threshold 0, mean |x|)`` of a bucket matrix."""
-    m64 = mat.to(torch.float64)
-    return m64.new_zeros(mat.shape[0]), pairwise_row_sum(m64.abs()) / mat.shape[1]
-
-
-def onebit_stats(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1BitSGD's per-row ``(float64 threshold 0, (mean{x < 0}, mean{x ≥ 0}))``."""
-    m64 = mat.to(torch.float64)
-    up = mat >= 0
-    zero = m64.new_zeros(mat.shape[0])
-    return zero, torch.stack([masked_mean(m64, ~up, zero), masked_mean(m64, up, zero)], dim=1)
-
-
-def bingrad_b_stats(mat: torch.Tensor, iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """BinGrad-b's per-row ``(float64 threshold t, (b0, b1))`` after ``iters`` Lloyd iterations."""
-    t, b0, b1 = bingrad_b_levels(mat, iters)
-    return t, torch.stack([b0, b1], dim=1)
-
-
-def one_bit_stats(x: torch.Tensor, bucket: Optional[int], stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(float64 thresholds, flat float32 levels)`` of every bucket chunk of ``x`` by ``stats`` (one of
-    the three above): what every backend's one-bit encoders compute before their bits."""
-    v = x.detach().reshape(-1).to(torch.float32)
-    ts, vals = [], []
-    for mat in bucket_chunks(v, bucket):
-        t, lv = stats(mat)
-        ts.append(t.reshape(-1))
-        vals.append(lv.to(torch.float32).reshape(-1))
-    if not ts:
-        return v.new_zeros(0, dtype=torch.float64), v.new_zeros(0)
-    return torch.cat(ts).to(torch.float64), torch.cat(vals)
-
-
-def sign_scale_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled SignSGD: ``(bits x ≥ 0 packed, float32 mean |x| per bucket)``."""
-    v = x.detach().reshape(-1).to(torch.float32)
-    t, lv = one_bit_stats(v, bucket, sign_scale_stats)
-    return threshold_encode(v, t, bucket), lv
-
-
-def onebit_encode(x: torch.Tensor, bucket: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1BitSGD: ``(bits x ≥ 0 packed, float32 (mean{x < 0}, mean{x ≥ 0}) per bucket, flattened)``."""
-    v = x.detach().reshape(-1).to(torch.float32)
-    t, lv = one_bit_stats(v, bucket, onebit_stats)
-    return threshold_encode(v, t, bucket), lv
-
-
-def bingrad_b_encode(x: torch.Tensor, bucket: Optional[int],
-                     iters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """BinGrad-b: ``(bits float64(x) ≥ t packed, float32 (b0, b1) per bucket, flattened)``."""
-    v = x.detach().reshape(-1).to(torch.float32)
-    t, lv = one_bit_stats(v, bucket, lambda mat: bingrad_b_stats(mat, iters))
-    return threshold_encode(v, t, bucket), lv
-
-
-def bingrad_pb_encode(x: torch.Tensor, bucket: Optional[int],
-                      rng: RngLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """BinGrad-pb: ``(packed bits, float32 b per bucket)``; bit ``u < (x + b)/(2b)`` (all ones in a
-    bucket with ``b = 0``), ``u`` the uniforms of ``rng`` (advanced by ``n``)."""
-    st = _stream(rng)
-    v = x.detach().reshape(-1).to(torch.float32)
-    bits, vals = [], []
-    for mat in bucket_chunks(v, bucket):
-        b = bingrad_pb_threshold(mat).unsqueeze(1)
-        safe = torch.where(b > 0, b, torch.ones_like(b))
-        p_up = ((mat + b) / (2 * safe)).clamp(0.0, 1.0)   # 1 above +b, 0 below -b: the clip
-        p_up = torch.where(b > 0, p_up, torch.ones_like(p_up))   # b = 0: decode +0, not -0
-        u = st.uniform(mat.numel(), mat.device).view(mat.shape)
-        bits.append((u < p_up).reshape(-1))
-        vals.append(b.reshape(-1))
-    if not bits:
-        return pack_bits(v.new_zeros(0, dtype=torch.int64), 1), v.new_zeros(0)
-    return pack_bits(torch.cat(bits).to(torch.int64), 1), torch.cat(vals)
-
-
 # -- MultiScale (QSGDMaxNormMultiScale) ---------------------------------------------------------------
 def _ms_ratios(mat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``|v|/w`` per bucket row (IEEE float32 division); a zero scale divides by 1."""
@@ -779,3 +421,13 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
 def subset_index_bits(n: int) -> int:
     """``w`` of :func:`random_subset`: the bits its keys give the index, ``max(32, bit length of n − 1)``."""
     return max(32, (max(n, 1) - 1).bit_length())
+
+
+# -- the families in modules of their own (imported last: they take the shared math above) ---------
+from .reference_binary import (SUM_BLOCK, bingrad_b_encode, bingrad_b_levels, bingrad_b_stats,  # noqa: E402
+                               bingrad_pb_encode, bingrad_pb_threshold, bit_decode, masked_mean, one_bit_stats,
+                               onebit_encode, onebit_stats, pairwise_row_sum, sign_encode, sign_scale_encode,
+                               sign_scale_stats, threshold_encode)
+from .reference_levels import (check_level_count, levels_decode, levels_encode, linear_encode,  # noqa: E402
+                               linear_levels, linear_positions, orq_encode, orq_fixed, orq_levels, orq_shift,
+                               round_to_levels, sort_rows)
