@@ -186,8 +186,9 @@ def test_bingrad_pb_search_from_any_hint():
     """The search starts from a hint (the previous bucket's level); from any hint — none, the answer
     itself, one ulp off, far below or above the data, a denormal — it finds the reference's level,
     and never needs the fallback on data of a sane range."""
-    from gradq.kernels import cpu_binary as C
+    from gradq.kernels import binary, cpu_pb as C
 
+    binary._cpu()   # (cpu_pb is compiled under the keyed cache, as the backend loads it)
     g = torch.Generator().manual_seed(11)
     rows = [torch.randn(512, generator=g), torch.randn(512, generator=g).exp(), torch.rand(300, generator=g),
             torch.randn(513, generator=g) * torch.exp(torch.randn(513, generator=g) * 3),

@@ -512,7 +512,7 @@ import numpy as np, torch
 from numba import njit
 from gradq.kernels import numba_ops
 numba_ops._cpu()
-from gradq.kernels.numba_common import _pack
+from gradq.kernels.numba_pack import _pack
 from gradq.codecs.bitpack import pack_bits
 
 @njit(cache=False)

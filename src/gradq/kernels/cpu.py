@@ -33,7 +33,8 @@ from numba.extending import intrinsic
 
 from .numba_common import (_LANES, _ONE, _PREFETCH, _ZERO, F32, _bits_to_f32, _bucket_max, _count_above, _inline,
                            _ir_counters, _ir_max_lane, _ir_splat, _ir_uniform, _ir_vectors, _kernel, _maxabs_bits,
-                           _pack, _pack_trits, _run_end, _run_keys, _uniform, _unpack, _unpack_trits)
+                           _run_end, _run_keys, _uniform)
+from .numba_pack import _pack, _pack_trits, _unpack, _unpack_trits
 
 from .reference import FLOAT32_MAX as _FLOAT32_MAX  # noqa: E402  (numba reads it as a constant)
 

@@ -16,8 +16,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .numba_common import (_LANES, F32, _count_above, _fill_uniform, _ir_max_lane, _ir_splat, _ir_target_features,
-                           _ir_vectors, _kernel, _pack, _round_any, _round_sorted, _run_end, _run_keys,
-                           _threshold_bits, _unpack)
+                           _ir_vectors, _kernel, _round_any, _round_sorted, _run_end, _run_keys, _threshold_bits)
+from .numba_pack import _pack, _unpack
 
 
 # -- rounding onto given levels (ORQ / Linear) ---------------------------------------------------

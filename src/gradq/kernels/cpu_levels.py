@@ -46,7 +46,8 @@ from .cpu_orq_rows import _orq_levels
 from .cpu_sort import _FLAG_NONFINITE, _VSORT_MAX, _W, _pad_size, _sort_row, _sorted_at
 from .cpu_sort_lanes import LANES_MAX, sort_lanes
 from .numba_common import (_borrowed, _fill_uniform, _ir_counters, _ir_prefetch, _ir_splat, _ir_target_features,
-                           _ir_uniform, _ir_vectors, _keep, _pack, _prefetch, _round_any, _run_end, _run_keys, _uniform)
+                           _ir_uniform, _ir_vectors, _keep, _prefetch, _round_any, _run_end, _run_keys, _uniform)
+from .numba_pack import _pack
 
 _ZERO32 = np.float32(0.0)
 

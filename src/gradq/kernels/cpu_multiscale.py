@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import _count_above, _fill_uniform, _inline, _kernel, _pack, _run_end, _run_keys, _unpack
+from .numba_common import _count_above, _fill_uniform, _inline, _kernel, _run_end, _run_keys
+from .numba_pack import _pack, _unpack
 
 F32 = np.float32
 

@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterator, Optional
 __all__ = ["SOURCES", "CODEC_SOURCES", "source_hash", "cache_dir", "keyed_cache", "keyed_njit"]
 
 #: the modules whose jitted functions are cached (they inline each other's helpers)
-SOURCES = ("numba_common.py", "cpu.py", "cpu_index.py", "cpu_sort.py", "cpu_sort_lanes.py", "cpu_orq_rows.py",
-           "cpu_orq_lanes.py", "cpu_levels.py", "cpu_binary.py", "cpu_multiscale.py", "cpu_subset.py")
+SOURCES = ("numba_common.py", "numba_pack.py", "cpu.py", "cpu_index.py", "cpu_sort.py", "cpu_sort_lanes.py",
+           "cpu_orq_rows.py", "cpu_orq_lanes.py", "cpu_levels.py", "cpu_binary.py", "cpu_pb.py", "cpu_multiscale.py",
+           "cpu_subset.py")
 #: the same for the numba codecs in gradq/codecs
 CODEC_SOURCES = ("elias.py", "qsgd_fields.py", "qsgd_stream.py", "qsgd_chunks.py", "qsgd_chunks_read.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
