@@ -48,7 +48,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import gradq  # noqa: E402
 from gradq import kernels as K  # noqa: E402
 from gradq.kernels import triton_common as C  # noqa: E402
+from gradq.kernels import triton_binary as B  # noqa: E402
+from gradq.kernels import triton_decode as D  # noqa: E402
 from gradq.kernels import triton_levels as L  # noqa: E402
+from gradq.kernels import triton_moments as MO  # noqa: E402
 from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
@@ -153,7 +156,7 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, L, M, S, X, RK)
+    mods = (C, T, B, D, L, MO, M, S, X, RK)
     reads = [0]
     tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, QB._sum_is_finite
 

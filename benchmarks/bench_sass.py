@@ -40,7 +40,10 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from gradq.kernels import triton_elias as E  # noqa: E402
 from gradq.kernels import triton_elias_read as ER  # noqa: E402
+from gradq.kernels import triton_binary as B  # noqa: E402
+from gradq.kernels import triton_decode as D  # noqa: E402
 from gradq.kernels import triton_levels as L  # noqa: E402
+from gradq.kernels import triton_moments as MO  # noqa: E402
 from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_randk as K  # noqa: E402
@@ -86,13 +89,13 @@ def _cases() -> list[tuple]:
          dict(W=1, TRITS=True, G=G, BIG=True, CLIP=True, WIDE=False, FULL=True), 5 * G, gw),
         ("uniform encode, 4-bit, buckets < a program", T._uniform_encode_body, enc_sig,
          dict(W=4, TRITS=False, G=G, BIG=False, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
-        ("uniform decode, 4-bit", T._uniform_decode_body, dec_sig,
+        ("uniform decode, 4-bit", D._uniform_decode_body, dec_sig,
          dict(M=1, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
-        ("uniform decode, 2-bit (checked)", T._uniform_decode_body, dec_sig,
+        ("uniform decode, 2-bit (checked)", D._uniform_decode_body, dec_sig,
          dict(M=1, W=2, TRITS=False, G=G, CHECK=True, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
-        ("uniform decode, trits (checked)", T._uniform_decode_body, dec_sig,
+        ("uniform decode, trits (checked)", D._uniform_decode_body, dec_sig,
          dict(M=1, W=1, TRITS=True, G=G, CHECK=True, BIG=True, WIDE=False, FULL=True), 5 * G, gw),
-        ("uniform decode mean of 4, 4-bit", T._uniform_decode_body, dec_sig,
+        ("uniform decode mean of 4, 4-bit", D._uniform_decode_body, dec_sig,
          dict(M=4, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
         ("levels encode, L=5", L._levels_encode_body,
          dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U,
@@ -100,10 +103,10 @@ def _cases() -> list[tuple]:
         ("levels decode, L=5", L._levels_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, bad_ptr=P32, first=I, rem="i32", nbytes=I, bucket=I, b0=I,
               L="i32", W=C, G=C, WIDE=C, FAST=C), dict(W=3, G=G, WIDE=False, FAST=True), 8 * G, gw),
-        ("one-bit threshold encode", L._threshold_body,
+        ("one-bit threshold encode", B._threshold_body,
          dict(x_ptr=PF, t_ptr=PF64, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, G=C, FAST=C),
          dict(G=G, FAST=True), 8 * G, gw),
-        ("bingrad-pb bits encode", L._pb_bits_body,
+        ("bingrad-pb bits encode", B._pb_bits_body,
          dict(x_ptr=PF, b_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, bucket=I, b0=I, k1=I, k2=I, lo0=U,
               hi0=U, G=C, FAST=C), dict(G=G, FAST=True), 8 * G, gw),
         ("multiscale encode, 2+6", M._ms_encode_body,
@@ -117,10 +120,10 @@ def _cases() -> list[tuple]:
         ("max-abs per bucket (MaxNorm's first pass)", T._maxabs_bits_kernel,
          dict(x_ptr=PF, bits_ptr=P32, n=I, bucket=I, nb=I, ncol=I, cap="i32", ROWS=C, COLS=C), dict(ROWS=8, COLS=512),
          4096, 4),
-        ("TernGrad's moments and max-abs, blocks of 4096", T._block_moments_kernel,
+        ("TernGrad's moments and max-abs, blocks of 4096", MO._block_moments_kernel,
          dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, f_ptr=PF, top_ptr=PF, n=I,
               nblocks=I, clip=F, BLOCK=C, CHUNK=C, LAST=C), dict(BLOCK=4096, CHUNK=1024, LAST=True), 4096, 4),
-        ("one-bit decode", L._bit_decode_body,
+        ("one-bit decode", B._bit_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, first=I, rem="i32", nbytes=I, bucket=I, b0=I, PER=C, G=C,
               FAST=C), dict(PER=1, G=G, FAST=True), 8 * G, gw),
     ]

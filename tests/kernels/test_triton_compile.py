@@ -29,6 +29,9 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_elias as E
     from gradq.kernels import triton_levels as L
+    from gradq.kernels import triton_binary as B
+    from gradq.kernels import triton_decode as D
+    from gradq.kernels import triton_moments as MO
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_subset as S
@@ -188,7 +191,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, M, E, S, X, R, K) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -226,6 +229,9 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     # (imported here: triton may be missing, and the test is then skipped)
     from gradq.kernels import triton_elias as E
     from gradq.kernels import triton_levels as L
+    from gradq.kernels import triton_binary as B
+    from gradq.kernels import triton_decode as D
+    from gradq.kernels import triton_moments as MO
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_crc as X
     from gradq.kernels import triton_ops as T
@@ -234,7 +240,7 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_randk as K
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, M, E, S, X, R, K) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

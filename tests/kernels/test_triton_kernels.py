@@ -171,12 +171,14 @@ def test_sigma_merge_tree(chunk, launches, runs, monkeypatch):
     at all; 47 blocks in 2 runs of 8 take the tree): the reference's σ, bit for bit, on data with
     an offset (a large mean, where a one-pass E[x²] − E[x]² would cancel) and on the edge-case data
     (blocks of 64 values: 1 to 47 blocks)."""
-    monkeypatch.setattr(T, "_MOMENT_BLOCK", 64)
-    monkeypatch.setattr(T, "_MERGE_CHUNK", chunk)
-    monkeypatch.setattr(T, "_LAST_RUNS", runs)
+    from gradq.kernels import triton_moments as MO
+
+    monkeypatch.setattr(MO, "_MOMENT_BLOCK", 64)
+    monkeypatch.setattr(MO, "_MERGE_CHUNK", chunk)
+    monkeypatch.setattr(MO, "_LAST_RUNS", runs)
     monkeypatch.setitem(T.TUNING, "moment_launches", launches)
     if launches == 1 and chunk * runs >= 47:
-        monkeypatch.setattr(T, "_merge_moments_kernel", None)   # (a merge launch would fail)
+        monkeypatch.setattr(MO, "_merge_moments_kernel", None)   # (a merge launch would fail)
     g = torch.Generator().manual_seed(chunk)
     for x in (torch.randn(3001, generator=g) + 1000.0, data(2000, chunk), torch.randn(65, generator=g),
               torch.full((130,), 0.25)):
@@ -199,12 +201,12 @@ def test_one_bit_statistics_in_triton(tail, rows, passes, monkeypatch):
     monkeypatch.setitem(T.TUNING, "stats_elems", 16 * rows)
     monkeypatch.setitem(T.TUNING, "stats_passes", passes)
     if passes == 1:
-        from gradq.kernels import triton_levels
+        from gradq.kernels import triton_binary
 
         def no_second_pass(*args, **kwargs):
             raise AssertionError("the bits took a pass of their own")
 
-        monkeypatch.setattr(triton_levels, "threshold_encode", no_second_pass)
+        monkeypatch.setattr(triton_binary, "threshold_encode", no_second_pass)
     g = torch.Generator().manual_seed(tail)
     x = torch.cat([data(16 * 5, tail), -torch.zeros(16), torch.rand(16, generator=g), torch.full((16,), 0.3),
                    torch.randn(tail, generator=g) * 1e3])
