@@ -25,6 +25,10 @@ reference draws (``num_buckets·bucket`` for the zero-padded uniform schemes, ``
 later draws from the same stream agree too. Wire sizes: ``ceil(n·width/8)`` bytes of packed fields
 (``ceil(n/5)`` for trits).
 
+Corrupt payloads: a decode refuses fields no encode writes (:class:`gradq.PayloadError`), on every
+backend; inside :func:`deferred_checks` it counts them on the device instead, for one look later
+(:mod:`gradq.kernels.checks`: what the DDP hook does, so that a GPU decode waits for nothing).
+
 Threads: the numba kernels take this process's share of the cores (:func:`process_threads`).
 """
 
@@ -37,6 +41,7 @@ import torch
 
 from ..random import RandomStream
 from . import numba_ops, reference, subset
+from .checks import DeferredChecks, deferred_checks
 from . import binary as _numba_binary
 from . import levels as _numba_levels
 
@@ -47,7 +52,8 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
            "multiscale_decode", "random_subset", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
-           "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields", "crc32_field"]
+           "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields", "crc32_field",
+           "deferred_checks", "DeferredChecks"]
 
 RngLike = Union[RandomStream, int]
 

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import PayloadError
 from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _width
+from .checks import refuse_invalid
 
 _CPU = None          # the imported gradq.kernels.cpu module, once loaded
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -237,9 +238,8 @@ def _decode_uniform_mean(packed, scales, s, bucket, width, n, out, max_field):
         sv = torch.stack([sc.reshape(-1) for sc in scales]).numpy()
         bad = _cpu().uniform_decode_mean(data, offs, nbytes, sv, s, d, width,
                                          255 if max_field is None else max_field, _chunk(d), res.numpy())
-        if bad:
-            what = "bytes above 242 (3**5 - 1)" if width == 0 else f"fields above {max_field}"
-            raise PayloadError(f"corrupt codes: {bad} {what}")
+        what = "bytes above 242 (3**5 - 1)" if width == 0 else f"fields above {max_field}"
+        refuse_invalid(int(bad), lambda k: f"corrupt codes: {k} {what}", f"codes: {what}")
     return res
 
 
@@ -293,8 +293,9 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     d = _bucket(n, bucket)
     lv, L = _level_matrix(levels, _nbuckets(n, d))
     res = _out(out, n, torch.float32)
-    if n and _cpu().levels_decode(arr, lv, L, d, width, _chunk(d), res.numpy()):
-        raise PayloadError(f"level index out of range [0, {L - 1}]")
+    if n:
+        bad = _cpu().levels_decode(arr, lv, L, d, width, _chunk(d), res.numpy())
+        refuse_invalid(int(bad), lambda k: f"level index out of range [0, {L - 1}]", f"level indices above {L - 1}")
     return res
 
 
@@ -445,8 +446,9 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     d = _bucket(n, bucket)
     lv = _ms_levels(levels)
     res = _out(out, n, torch.float32)
-    if n and _ms().decode(cv, iv, _scales(scales, _nbuckets(n, d)), d, lv, width, index_width, n, 65536,
-                          res.numpy()):
-        raise PayloadError(f"multiscale: corrupt scale index (>= {lv.size} scales)")
+    if n:
+        bad = _ms().decode(cv, iv, _scales(scales, _nbuckets(n, d)), d, lv, width, index_width, n, 65536, res.numpy())
+        refuse_invalid(int(bad), lambda k: f"multiscale: corrupt scale index (>= {lv.size} scales)",
+                       f"scale indices above {lv.size - 1}")
     return res
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from ..codecs.bitpack import pack_bits, pack_trits, unpack_bits, unpack_trits
-from ..errors import PayloadError
 from ..random import RandomStream
+from .checks import refuse_invalid
 
 __all__ = [
     # shared math
@@ -254,13 +254,19 @@ def uniform_encode_trits(x: torch.Tensor, scales: torch.Tensor, bucket: Optional
 
 
 def _fields(packed: torch.Tensor, width: int, n: int, max_field: Optional[int]) -> torch.Tensor:
+    """The fields, after the check of those no encode writes (:func:`gradq.kernels.checks.refuse_invalid`;
+    a deferred check decodes an invalid byte of trits as 242)."""
     if width == 0:
-        return unpack_trits(packed, n)
+        need = (n + 4) // 5
+        if packed.dtype == torch.uint8 and packed.dim() == 1 and packed.numel() >= need:
+            what = "bytes above 242 (3**5 - 1)"
+            refuse_invalid((packed[:need] > 242).sum(), lambda k: f"corrupt codes: {k} {what}", f"codes: {what}")
+            packed = packed[:need].clamp(max=242)
+        return unpack_trits(packed, n)   # (which refuses a wrong dtype or length itself)
     fields = unpack_bits(packed, width, n)
     if max_field is not None and fields.numel():
-        bad = int((fields > max_field).sum())
-        if bad:
-            raise PayloadError(f"corrupt codes: {bad} fields above {max_field}")
+        refuse_invalid((fields > max_field).sum(), lambda k: f"corrupt codes: {k} fields above {max_field}",
+                       f"codes: fields above {max_field}")
     return fields
 
 
@@ -383,8 +389,11 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     c = unpack_bits(codes, width, n).to(scales.device) - levels[0]
     if index_width:
         idx = unpack_bits(index, index_width, n).to(scales.device)
-        if n and int(idx.max()) >= len(levels):
-            raise PayloadError(f"multiscale: corrupt scale index (>= {len(levels)} scales)")
+        if n:
+            L = len(levels)
+            refuse_invalid((idx >= L).sum(), lambda _: f"multiscale: corrupt scale index (>= {L} scales)",
+                           f"scale indices above {L - 1}")
+            idx = torch.where(idx >= L, torch.zeros_like(idx), idx)   # (deferred: the first scale)
     else:
         idx = torch.zeros(n, dtype=torch.int64, device=scales.device)
     return _into(multiscale_dequantize(c, scales, idx, levels, bucket, n), out)

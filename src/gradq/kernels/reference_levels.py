@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..codecs.bitpack import pack_bits, unpack_bits
-from ..errors import PayloadError
 from ..random import RandomStream
+from .checks import refuse_invalid
 from .reference import RngLike, _into, _stream, bucket_chunks, bucket_index, num_buckets
 
 __all__ = ["orq_levels", "linear_levels", "round_to_levels", "check_level_count", "linear_positions", "sort_rows",
@@ -173,8 +173,9 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     lv = _level_rows(levels, n, bucket)
     L = lv.shape[1]
     codes = unpack_bits(packed, width, n).to(device=lv.device, dtype=torch.int64)
-    if bool((codes >= L).any()):
-        raise PayloadError(f"level index out of range [0, {L - 1}]")
+    refuse_invalid((codes >= L).sum(), lambda _: f"level index out of range [0, {L - 1}]",
+                   f"level indices above {L - 1}")
+    codes = torch.where(codes >= L, torch.zeros_like(codes), codes)   # (a deferred check: the first level)
     return _into(lv.reshape(-1)[bucket_index(n, bucket, lv.device) * L + codes], out)
 
 

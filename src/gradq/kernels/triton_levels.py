@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from ..errors import PayloadError
 from . import reference
 from ._args import RngLike, _bucket, _nbuckets, _stream, _width
+from .checks import refuse_invalid
 from .triton_common import (TUNING, _counter_halves, _fast, _flat, _grid, _groups, _jit, _launch, _load8, _out,
                            _pack8_tail, _payload, _row_of, _store8, _uniform_at, _unpack8, tl)
 
@@ -304,8 +304,7 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
         bad = torch.zeros(grid[0], dtype=torch.int32, device=data.device)
         _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_groups(),
                 WIDE=data.data_ptr() % 4 == 0)
-        if int(bad.sum()):
-            raise PayloadError(f"level index out of range [0, {L - 1}]")
+        refuse_invalid(bad, lambda k: f"level index out of range [0, {L - 1}]", f"level indices above {L - 1}")
     return res
 
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from ..errors import PayloadError
 from ._args import RngLike, _bucket, _nbuckets, _stream, _width
+from .checks import refuse_invalid
 from .triton_common import (_counter_halves, _fast, _flat, _grid, _groups, _jit, _launch, _load8, _out, _pack8_tail,
                            _payload, _row_of, _store8, _uniform_at, _unpack8, _vector, tl)
 
@@ -275,6 +275,6 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
         bad = torch.zeros(grid[0], dtype=torch.int32, device=cv.device)
         _launch(_ms_decode_kernel, grid, cv, iv, w, q, res, bad, n, nbytes, ibytes, d, L=q.shape[0], W=width,
                 IW=index_width, G=_groups(), WIDE=cv.data_ptr() % 4 == 0 and iv.data_ptr() % 4 == 0)
-        if int(bad.sum()):
-            raise PayloadError(f"multiscale: corrupt scale index (>= {q.shape[0]} scales)")
+        refuse_invalid(bad, lambda k: f"multiscale: corrupt scale index (>= {q.shape[0]} scales)",
+                       f"scale indices above {q.shape[0] - 1}")
     return res

@@ -45,9 +45,9 @@ from typing import Optional
 
 import torch
 
-from ..errors import PayloadError
 from ..random import RandomStream
 from ._args import RngLike, _stream
+from .checks import refuse_invalid
 from .subset import _candidate_limit
 from .triton_common import TUNING, _flat, _grid, _jit, _launch, _out, _payload, _uniform_at, _vector, tl
 from .triton_multiscale import _ms_code, _ms_levels, _ms_quotients, _ms_value
@@ -435,7 +435,8 @@ def subset_multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor],
                              out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """As ``multiscale_decode(codes, index, scale, levels, None, width, index_width, k)`` scattered to
     ``random_subset(n, k, seed)`` of a zero vector of ``n`` (times ``float32(n/k)`` with
-    ``rescale``); corrupt indices raise PayloadError before ``out`` is touched; None where the
+    ``rescale``); corrupt indices raise PayloadError before ``out`` is touched (counted instead inside
+    :func:`gradq.kernels.checks.deferred_checks`); None where the
     caller must take the indices (``out`` then untouched)."""
     cv = _payload(codes, (k * width + 7) // 8, f"{width}-bit codes")
     ibytes = (k * index_width + 7) // 8
@@ -448,8 +449,10 @@ def subset_multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor],
     if index_width and L < (1 << index_width):   # (an index can name no scale: checked first)
         bad = torch.zeros(1, dtype=torch.int32, device=cv.device)
         _launch(_randk_ms_check_kernel, _grid(k, _SUB), iv, bad, k, ibytes, L=L, IW=index_width, BLOCK=_SUB)
-        if int(bad):   # (a host read, as the decode of all values makes)
-            raise PayloadError(f"multiscale: corrupt scale index (>= {L} scales)")
+        # (a host read, as the decode of all values makes, unless deferred: then the decode below
+        # reads the first scale for an index that names none)
+        refuse_invalid(bad, lambda _: f"multiscale: corrupt scale index (>= {L} scales)",
+                       f"scale indices above {L - 1}")
     res = _out(out, n, torch.float32, cv.device)
     _launch(_randk_ms_decode_kernel, _grid(n, sel.block), cv, iv, _scale(scale, cv.device), q, res, sel.incl, n,
             cv.numel(), ibytes, sel.k1, sel.k2, sel.t, _factor(n, k, rescale), L=L, W=width, IW=index_width,
