@@ -235,10 +235,13 @@ def test_backend_failures_are_described():
 
 
 # -- damaged bytes inside a protocol ----------------------------------------------------------------
-def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str) -> None:
+def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str, spec: str = "qsgd:bits=4",
+                 checksum: bool = True) -> None:
     """Rank 1 damages one payload at step 3: for the scatter protocol the bytes it SENDS (rank 0's
     chunk; rank 0 detects it), for the all-gather protocol the bytes it RECEIVED (it detects it itself).
-    Either way every rank must refuse step 3 alike; writes ``rank{r}.json``."""
+    Either way every rank must refuse step 3 alike; writes ``rank{r}.json``. Without checksums (as on
+    a GPU) the damaged byte is set to 0xFF, which a 2-bit TernGrad payload holds as four codes of 3,
+    which no encode writes: the decode finds them."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -251,7 +254,7 @@ def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str) ->
     torch.set_num_threads(1)
     gradq_testing.init_gloo(tmp, rank, world)
     model = DDP(net(), bucket_cap_mb=0.02)
-    state = gradq.register(model, "qsgd:bits=4", strategy, min_numel=1000, nan_policy=policy, timeout=30)
+    state = gradq.register(model, spec, strategy, min_numel=1000, nan_policy=policy, timeout=30, checksum=checksum)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = [0]
     if rank == 1:
@@ -260,14 +263,15 @@ def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str) ->
         def bad_exchange(send, *a, **k):
             if step[0] == 3:
                 send = send.clone()
-                send[40] ^= 0x5A  # inside the first payload (rank 0's chunk), past its header
+                # inside the first payload (rank 0's chunk), past its header
+                send[40] = send[40] ^ 0x5A if checksum else 0xFF
             return exchange(send, *a, **k)
 
         def bad_gather(*a, **k):
             got = gather(*a, **k)
             if step[0] == 3:
                 got[0] = got[0].clone()
-                got[0][-7] ^= 0x01  # one bit, near the end of rank 0's payload
+                got[0][-7] = got[0][-7] ^ 0x01 if checksum else 0xFF  # near the end of rank 0's payload (its codes)
             return got
         scatter_mod._exchange, allgather_mod.all_gather_bytes = bad_exchange, bad_gather
     res: dict = {"rank": rank, "skipped": [], "same": [], "error": None}
@@ -294,12 +298,14 @@ def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str) ->
     gradq_testing.teardown()
 
 
-def _run_damage(tmp: Path, world: int, strategy: str, policy: str) -> list[dict]:
+def _run_damage(tmp: Path, world: int, strategy: str, policy: str, spec: str = "qsgd:bits=4",
+                checksum: bool = True) -> list[dict]:
     env = _env()
     code = ("import sys, test_ddp_faults as t; "
-            "t._damage_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r), str(world), strategy, policy], env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+            "t._damage_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], "
+            "sys.argv[7] == '1')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r), str(world), strategy, policy, spec,
+                               str(int(checksum))], env=env, stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
@@ -311,7 +317,7 @@ def test_damaged_payload_is_refused_on_every_rank(tmp_path, strategy):
     res = _run_damage(tmp_path, 2, strategy, "raise")
     for r in res:  # every rank raises at step 3, before its optimizer could apply anything
         assert r["error_step"] == 3, r
-        assert "arrived damaged (CRC-32 mismatch)" in r["error"] and "refused on every rank" in r["error"], r
+        assert "arrived damaged (CRC-32 mismatch" in r["error"] and "refused on every rank" in r["error"], r
         assert all(r["same"]), r
     detector = 0 if strategy == "scatter" else 1
     assert "on this rank" in res[detector]["error"] and "on this rank" not in res[1 - detector]["error"]
@@ -324,6 +330,24 @@ def test_damaged_payload_is_skipped_on_every_rank(tmp_path, strategy):
         assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
         assert r["unchanged"] == [True], r  # zero gradients, no optimizer step
         assert len(r["same"]) == 6 and all(r["same"]), r  # replicas identical at every step, before and after
+
+
+@pytest.mark.parametrize("strategy,policy", [("scatter", "raise"), ("allgather", "skip")],
+                         ids=["scatter-send-raise", "allgather-recv-skip"])
+def test_codes_no_encode_writes_are_refused_on_every_rank_without_checksums(tmp_path, strategy, policy):
+    """Without checksums (the default on a GPU, where payloads carry no CRC) a damaged payload whose
+    codes no encode writes is found by its decode, which counts it instead of raising on its rank
+    alone (gradq.kernels.deferred_checks); the count rides in the step's agreement, so every rank
+    refuses (or skips) the same step and none waits for a peer that left."""
+    res = _run_damage(tmp_path, 2, strategy, policy, "terngrad:pack=2bit", checksum=False)
+    for r in res:
+        if policy == "raise":
+            assert r["error_step"] == 3, r
+            assert "codes no encode writes" in r["error"] and "refused on every rank" in r["error"], r
+        else:
+            assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
+            assert r["unchanged"] == [True] and len(r["same"]) == 6, r
+        assert all(r["same"]), r
 
 
 def test_checksum_trailer_catches_every_single_byte_change():

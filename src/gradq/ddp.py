@@ -45,9 +45,11 @@ reproduces the uninterrupted run bit for bit.
 
 Non-finite gradients and damaged payloads **[decided]**: nobody stops mid-step, so no rank waits alone
 in a collective. A rank whose group holds a non-finite value encodes zeros in its place and counts it;
-payloads whose CRC-32 fails are counted where they arrive; the step's last collective sums both counts
-over the ranks (on a GPU the count stays on the device until then: the host reads it once per step;
-the protocols encode the screened groups with ``check_finite=False``, so no encode reads one either).
+payloads whose CRC-32 fails are counted where they arrive, and so are those whose decode finds codes
+no encode writes (with or without checksums: :func:`gradq.kernels.deferred_checks`); the step's last
+collective sums the counts over the ranks (on a GPU they stay on the device until then: the host reads
+them once per step; the protocols encode the screened groups with ``check_finite=False`` and decode
+with the checks deferred, so no encode or decode reads one either).
 Then every rank decides alike: ``nan_policy="raise"`` raises :class:`NonFiniteError` (the rank that saw
 it names the parameters) or :class:`PayloadError` on every rank; ``"skip"`` zeroes every gradient of
 the step once DDP has written them (a callback queued behind DDP's own), ``last_stats["skipped"]`` is
@@ -128,7 +130,8 @@ class GradqState:
             collective (one more value beside the float32 tensors) and refuse the step alike:
             :class:`gradq.PayloadError` on every rank, or with ``nan_policy="skip"`` a skipped step
             (zero gradients, ``skipped_steps`` counts it). The integer all-reduce moves no payload and
-            has no checksum. Equal on every rank.
+            has no checksum. Equal on every rank. Without checksums (and on CUDA tensors, which carry
+            none) a damaged payload is still refused alike where its decode finds codes no encode writes.
         adaptive: ``True`` (or a dict of :class:`gradq.adaptive.AdaptiveController` settings: ``probe_steps``,
             ``reprobe_every``, ``check_every``, ``drift``, ``margin``) times whole steps with float32
             averaging and with the spec, runs the faster, and probes again periodically and when the

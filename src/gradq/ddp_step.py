@@ -85,6 +85,7 @@ class _Figures:
     ref2: float = 0.0
     damaged: int = 0
     damaged_what: list[str] = field(default_factory=list)
+    invalid: Any = 0   # payloads whose decode found codes no encode writes (an int, or a count on the GPU)
     nonfinite_names: list[str] = field(default_factory=list)
     events: list[tuple[str, Any, Any]] = field(default_factory=list)  # CUDA phase events
 
@@ -92,6 +93,7 @@ class _Figures:
         for k in ("encode_s", "comm_s", "decode_s"):
             setattr(self, k, getattr(self, k) + info.get(k, 0.0))
         self.damaged += info.get("damaged", 0)
+        self.invalid = self.invalid + info.get("invalid", 0)
         self.damaged_what += [w if name is None else f"{name}: {w}" for w in info.get("damaged_what", [])]
 
 
@@ -430,7 +432,9 @@ class _Step:
         dtype = parts[0][1].dtype if parts else torch.float32
         local = torch.zeros(2, dtype=dtype, device=self.device)
         local[0] = self.local_bad if not isinstance(self.local_bad, int) else float(self.local_bad)
+        # damaged payloads and those with codes no encode writes (counted on the GPU: no host read)
         local[1] = float(self.fig.damaged)
+        local[1] += self.fig.invalid
         return parts, torch.cat([v.reshape(-1) for _, v in parts] + [local])
 
     def _spread(self, parts: list[tuple[str, torch.Tensor]], summed: torch.Tensor) -> torch.Tensor:
@@ -487,7 +491,8 @@ class _Step:
         mine = f"; on this rank: {', '.join(what[:4])}" if what else ""
         if state.nan_policy == "raise":
             raise PayloadError(f"gradq_hook: step {state.step - 1}: {damaged} payload(s) arrived damaged (CRC-32 "
-                               f"mismatch){mine}; the step is refused on every rank (nan_policy='skip' skips it)")
+                               f"mismatch, or codes no encode writes){mine}; the step is refused on every rank "
+                               "(nan_policy='skip' skips it)")
         logger.warning("gradq_hook: step %d skipped on every rank: %d payload(s) arrived damaged%s",
                        state.step - 1, damaged, mine)
         self._zero_after_ddp()

@@ -121,6 +121,32 @@ def _child(rank: int, world: int, tmp: str) -> None:
         res["mismatch"] = None
     except ValueError as e:
         res["mismatch"] = str(e)
+    # codes no encode writes, without checksums (as on a GPU): rank 1 receives rank 0's payload with a
+    # byte of four 2-bit TernGrad codes of 3. allgather_mean refuses it after its last collective on the
+    # rank that decoded it; allreduce_ agrees, so every rank refuses it
+    from gradq.comm import allgather as allgather_mod
+    gather = allgather_mod.all_gather_bytes
+
+    def bad_gather(*a, **k):
+        got = gather(*a, **k)
+        if rank == 1:
+            got[0] = got[0].clone()
+            got[0][-5] = 0xFF   # the last byte of rank 0's codes (its 4-byte scale follows)
+        return got
+    allgather_mod.all_gather_bytes = bad_gather
+    calls = {"invalid|allgather": lambda: allgather_mean(grad(rank, 400), gradq.build("terngrad:pack=2bit"),
+                                                         seed=SEED, checksum=False),
+             "invalid|api": lambda: gradq.allreduce_([grad(rank, 400)], "terngrad:pack=2bit", protocol="allgather",
+                                                     seed=SEED, checksum=False)}
+    try:
+        for label, call in calls.items():
+            try:
+                call()
+                res[label] = None
+            except gradq.PayloadError as e:
+                res[label] = str(e)
+    finally:
+        allgather_mod.all_gather_bytes = gather
     torch.save(res, f"{tmp}/out{rank}.pt")
     gradq_testing.teardown()
 
@@ -205,6 +231,19 @@ def run(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp(f"w{world}"))
     mp.spawn(_child, args=(world, tmp), nprocs=world, join=True)
     return world, [torch.load(f"{tmp}/out{r}.pt") for r in range(world)]
+
+
+def test_codes_no_encode_writes_are_refused_after_the_last_collective(run):
+    """Without checksums a payload whose codes no encode writes is found by its decode: a protocol
+    called alone refuses it on the rank that decoded it, once its collectives are done (no peer waits);
+    ``allreduce_`` agrees on it, so every rank refuses the average."""
+    world, outs = run
+    for r in range(world):
+        err = outs[r]["invalid|allgather"]
+        assert (err is not None) == (r == 1), (r, err)
+        assert err is None or "held codes no encode writes" in err, err
+        err = outs[r]["invalid|api"]
+        assert err is not None and "codes no encode writes" in err and "refused on every rank" in err, (r, err)
 
 
 def test_sum_over_ranks_and_byte_gather(run):
@@ -300,8 +339,8 @@ def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|", "segments|", "extra|")) \
-                or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|", "segments|", "extra|",
+                           "invalid|")) or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):

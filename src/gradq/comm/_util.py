@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommunicationError, GradqError, PayloadError
+from ..kernels.checks import deferred_checks
 from ..payload import Payload
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
@@ -284,13 +285,40 @@ def note_damage(info: Optional[dict], what: str) -> None:
         info.setdefault("damaged_what", []).append(what)
 
 
+@contextmanager
+def refused_later(info: dict) -> Iterator[None]:
+    """Decodes inside do not raise on fields no encode writes (:func:`gradq.kernels.deferred_checks`):
+    the payloads that hold such fields are counted in ``info["invalid"]`` (an int, or a tensor on the
+    device that decoded them: no host read), which the caller refuses with the damaged payloads."""
+    with deferred_checks() as checks:
+        yield
+    count = checks.count
+    if isinstance(count, torch.Tensor) or count:
+        info["invalid"] = info.get("invalid", 0) + count
+
+
+@contextmanager
+def decoding(info: dict) -> Iterator[None]:
+    """A protocol's decode phase: :func:`phase` ``"decode"`` and :func:`refused_later`."""
+    with phase(info, "decode"), refused_later(info):
+        yield
+
+
 def raise_if_damaged(fn: str, info: dict, defer: bool) -> None:
     """A protocol called alone refuses a damaged result on the rank that saw it (after its last
-    collective, so no peer waits); callers that agree across ranks (the DDP hook, ``allreduce_``)
-    pass ``defer=True`` and read ``info["damaged"]`` themselves."""
-    if info.get("damaged") and not defer:
+    collective, so no peer waits): payloads that failed their checksum (``info["damaged"]``) or held
+    codes no encode writes (``info["invalid"]``, read here: a host read where a GPU counted them).
+    Callers that agree across ranks (the DDP hook, ``allreduce_``) pass ``defer=True`` and read both
+    themselves."""
+    if defer:
+        return
+    invalid = int(info.get("invalid", 0))
+    if info.get("damaged"):
         raise PayloadError(f"{fn}: {info['damaged']} payload(s) arrived damaged (CRC-32 mismatch): "
                            f"{', '.join(info['damaged_what'][:4])}; the result was not used")
+    if invalid:
+        raise PayloadError(f"{fn}: {invalid} payload(s) held codes no encode writes (corrupt in transit); "
+                           "the result was not used")
 
 
 def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[int] = (),

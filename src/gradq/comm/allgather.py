@@ -17,8 +17,8 @@ from typing import Any, Optional
 import torch
 
 from ..quantizers.base import Quantizer
-from ._util import (all_gather_bytes, check_inputs, decode_bytes, mean_in_order, note_damage, phase, raise_if_damaged,
-                    seal_bytes, sealed_payload, unseal)
+from ._util import (all_gather_bytes, check_inputs, decode_bytes, decoding, mean_in_order, note_damage, phase,
+                    raise_if_damaged, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["allgather_mean", "allgather_bytes_per_worker", "AllgatherPipeline"]
 
@@ -63,7 +63,7 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
     fixed = q.expected_nbytes(x.numel())
     with phase(info, "comm"):
         bufs = all_gather_bytes(buf, None if fixed is None else fixed + trailer, group)
-    with phase(info, "decode"):
+    with decoding(info):
         out = _mean_of_payloads(q, bufs, trailer, x, info, name=None)
     info.update(payload_nbytes=int(buf.numel()),
                 bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
@@ -141,7 +141,7 @@ class AllgatherPipeline:
     def _finish(self, st: dict[str, Any], fut: Any) -> None:
         with phase(self.info, "comm"):
             bufs = fut.result()
-        with phase(self.info, "decode"):
+        with decoding(self.info):
             _mean_of_payloads(self.q, bufs, st["trailer"], st["out"], self.info, name=st["name"], out=st["out"])
 
 

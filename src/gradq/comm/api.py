@@ -111,7 +111,9 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
 
     ``checksum``: payloads carry a CRC-32 trailer; if one arrives damaged on any rank, every rank
     raises :class:`gradq.PayloadError` after the last tensor (one small all-reduce agrees on it), so
-    no rank keeps an average the others refuse (the tensors then hold unusable values).
+    no rank keeps an average the others refuse (the tensors then hold unusable values). A payload
+    whose codes no encode writes (found by the decode, with or without checksums) is refused the same
+    way; the agreement runs with more than one rank unless the protocol is the integer all-reduce.
 
     Returns ``{"protocol", "bytes_sent", "numel"}`` for this call.
 
@@ -134,6 +136,7 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
     timeout = check_timeout(timeout)
     rank = dist.get_rank(group) if world > 1 else 0
     sent = numel = damaged = 0
+    invalid: Any = 0     # payloads with codes no encode writes (an int, or a count on the tensors' device)
     where: list[str] = []
     for t, name in zip(ts, names):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -146,17 +149,23 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
                 _, b = average(t, q, protocol, group=group, seed=derive_seed(seed, None, name), name=name,
                                rank=rank, out=t, info=info, checksum=checksum, defer_damage=True)
                 damaged += info.get("damaged", 0)
+                invalid = invalid + info.get("invalid", 0)
                 where += [f"{name!r}: {w}" for w in info.get("damaged_what", [])]
         except CommunicationError as exc:
             raise exc.within(f"allreduce_: tensor {name!r}") from exc
         sent += b
         numel += t.numel()
-    if world > 1 and checksum and protocol != "allreduce":
-        flag = torch.tensor([damaged], dtype=torch.int64, device=ts[0].device if ts else None)
+    if world > 1 and protocol != "allreduce":
+        # (with or without checksums: a decode that finds codes no encode writes counts them too)
+        flag = torch.zeros(2, dtype=torch.int64, device=ts[0].device if ts else None)
+        flag[0] = damaged
+        flag[1] += invalid
         with time_limit(group, timeout):
             collective("the agreement on damaged payloads", dist.all_reduce, flag, group=group)
-        if int(flag):
+        n_damaged, n_invalid = (int(v) for v in flag.tolist())
+        if n_damaged or n_invalid:
             mine = f"; on this rank: {', '.join(where[:4])}" if where else ""
-            raise PayloadError(f"allreduce_: {int(flag)} payload(s) arrived damaged (CRC-32 mismatch){mine}; "
-                               "the average is refused on every rank")
+            what = (f"{n_damaged} payload(s) arrived damaged (CRC-32 mismatch)" if n_damaged else
+                    f"{n_invalid} payload(s) held codes no encode writes (corrupt in transit)")
+            raise PayloadError(f"allreduce_: {what}{mine}; the average is refused on every rank")
     return {"protocol": protocol, "bytes_sent": sent, "numel": numel}

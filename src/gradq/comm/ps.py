@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
 from ._util import (check_inputs, collective, decode_bytes, mean_in_order, note_damage, phase, plain, raise_if_damaged,
-                    seal_bytes, sealed_payload, unseal)
+                    refused_later, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["parameter_server_mean"]
 
@@ -92,11 +92,12 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
     q2 = plain(q)
     if rank == server:
         parts = []
-        for m, (b, sz) in enumerate(zip(recv, sizes)):
-            body, ok = unseal(b[:sz], trailer)
-            if not ok:
-                note_damage(info, f"payload pushed by rank {m}")
-            parts.append(decode_bytes(q, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape))
+        with refused_later(info):   # (corrupt codes: refused with the damaged payloads, after the broadcast)
+            for m, (b, sz) in enumerate(zip(recv, sizes)):
+                body, ok = unseal(b[:sz], trailer)
+                if not ok:
+                    note_damage(info, f"payload pushed by rank {m}")
+                parts.append(decode_bytes(q, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape))
         avg = mean_in_order(parts)
     if not requantize:
         out = avg if rank == server else torch.empty(x.numel(), dtype=torch.float32, device=dev)
@@ -117,7 +118,8 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         body, ok = unseal(b2, trailer)
         if not ok:
             note_damage(info, "the re-encoded average from the server")
-        out = decode_bytes(q2, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape).reshape(-1)
+        with refused_later(info):
+            out = decode_bytes(q2, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape).reshape(-1)
         pull = fixed2
     # the server's decode and re-encode count as waiting for the others
     info["comm_s"] = info.get("comm_s", 0.0) + time.perf_counter() - t_comm

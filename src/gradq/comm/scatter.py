@@ -50,8 +50,8 @@ import torch.distributed as dist
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
 from . import lifecycle
-from ._util import (all_gather_bytes, check_inputs, collective, note_damage, phase, plain, raise_if_damaged, seal,
-                    seal_bytes, sealed_payload, unseal)
+from ._util import (all_gather_bytes, check_inputs, collective, decoding, note_damage, phase, plain, raise_if_damaged,
+                    seal, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["scatter_allgather", "scatter_bytes_per_worker", "ScatterPipeline", "SEGMENT_NUMEL"]
 
@@ -370,7 +370,7 @@ class ScatterPipeline:
             recv, recv_sizes = fut.result()
         st = self._seg[s]
         chunk, trailer, rank = st["chunk"], st["trailer"], self.rank
-        with phase(self.info, "decode"):
+        with decoding(self.info):
             bodies, intact = zip(*(unseal(b, trailer) for b in torch.split(recv, recv_sizes)))
             for src in (m for m, ok in enumerate(intact) if not ok):
                 where = f"{st['name']}: " if st["name"] else ""
@@ -393,7 +393,7 @@ class ScatterPipeline:
             gathered = fut.result()
         st = self._seg.pop(s)
         chunk, trailer, n, res = st["chunk"], st["trailer"], st["n"], st["out"]
-        with phase(self.info, "decode"):
+        with decoding(self.info):
             for j, sealed in enumerate(gathered):
                 lo, hi = j * chunk, min(n, (j + 1) * chunk)
                 buf, ok = unseal(sealed, trailer)
