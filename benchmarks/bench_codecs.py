@@ -401,6 +401,13 @@ def _memory_row(q, x: torch.Tensor, dst: torch.Tensor, repeats: int, device: tor
         teu = device_time(lambda: q.encode(x, seed=next(seeds), check_finite=False), repeats, device, batch)
         extra += f" {teu * 1e3:.3f} | {t_copy / teu:.3f} |"
         dev["encode_unchecked_ms"] = teu * 1e3
+        # and as its protocols decode: a corrupt payload counted on the device, refused at the step's
+        # end (gradq.kernels.deferred_checks), so no decode waits for a host read
+        with K.deferred_checks() as checks:
+            tdd = device_time(lambda: q.decode(p, out=dst), repeats, device, batch)
+        checks.check()
+        extra += f" {tdd * 1e3:.3f} | {t_copy / tdd:.3f} |"
+        dev["decode_deferred_ms"] = tdd * 1e3
     print(f"| {q.spec}{note} | {te * 1e3:.3f} | {t_copy / te:.3f} | {td * 1e3:.3f} | {t_copy / td:.3f} | "
           f"{enc_peak / p.nbytes:.2f} | {dec_peak / (4 * n):.2f} | {p.bits_per_coordinate:.3f} |{extra}", flush=True)
     return {"spec": q.spec, "encode_ms": te * 1e3, "decode_ms": td * 1e3, "bits_per_coordinate": p.bits_per_coordinate,
@@ -438,8 +445,8 @@ def memory_table(n: int, repeats: int, device: torch.device, json_path: Optional
         head += " encode device ms (ops) | × copy | decode device ms (ops) | × copy |"
         rule += "---:|---:|---:|---:|"
     if device.type == "cuda":
-        head += " encode(check_finite=False) ms | × copy |"
-        rule += "---:|---:|"
+        head += " encode(check_finite=False) ms | × copy | decode(out=), checks deferred ms | × copy |"
+        rule += "---:|---:|---:|---:|"
     print("\n" + head + "\n" + rule)
     rows = []
     if batch is None:   # on a GPU the host queues the next call while the device runs the last

@@ -24,7 +24,7 @@ CUDA tensors:
   decode. On a GPU this is what ``torch.cuda.max_memory_allocated`` grows by during the call, up to
   the allocator's rounding, since Triton kernels allocate nothing: the issue's ≤ 1.25 × payload.
 
-    python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...]
+    python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...] [--deferred]
 
 The counts do not depend on ``n`` beyond a few logarithmic terms (tree merges); they are a proxy
 for the host-side cost per call, to be set against times measured on a GPU.
@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100_000, help="number of fp32 values (default 100000)")
     ap.add_argument("--spec", action="append", help="count this spec (repeatable; default: bench_codecs' list)")
     ap.add_argument("--ops", action="store_true", help="also list the torch operators of each call")
+    ap.add_argument("--deferred", action="store_true",
+                    help="decode with the checks deferred (gradq.kernels.deferred_checks), as the DDP hook does")
     args = ap.parse_args()
     x = torch.randn(args.n, generator=torch.Generator().manual_seed(0))
     dst = torch.empty_like(x)
@@ -204,7 +206,12 @@ def main() -> None:
         p = q.encode(x, seed=1)
         q.decode(p, out=dst)
         e = counts(lambda: q.encode(x, seed=2), inputs=x)
-        d = counts(lambda: q.decode(p, out=dst), inputs=(dst, *p.fields.values()))
+        def decode():
+            if not args.deferred:
+                return q.decode(p, out=dst)
+            with K.deferred_checks():
+                return q.decode(p, out=dst)
+        d = counts(decode, inputs=(dst, *p.fields.values()))
         cells = [*map(str, e[:4]), f"{e[4] / p.nbytes:.2f}", *map(str, d[:4]), f"{d[4] / x.nbytes:.2f}"]
         print(f"| {q.spec} | {' | '.join(cells)} |", flush=True)
         if args.ops:
