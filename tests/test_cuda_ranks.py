@@ -112,6 +112,32 @@ def _hook_child(rank: int, world: int, tmp: str) -> None:
             ddp(x).sum().backward()
         out["skip"] = {"skipped": state.last_stats["skipped"], "count": state.skipped_steps,
                        "zero": all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())}
+        # codes no encode writes (CUDA payloads carry no CRC): rank 1 sets a byte of four 2-bit TernGrad
+        # codes of rank 0's payload to 0xFF at step 1; its decode counts that on the device (no host
+        # read) and every rank skips the step
+        from gradq.comm import allgather as allgather_mod
+        gather, at = allgather_mod.all_gather_bytes, [0]
+
+        def bad_gather(*a, **k):
+            got = gather(*a, **k)
+            if rank == 1 and at[0] == 1:
+                got[0] = got[0].clone()
+                got[0][-5] = 0xFF   # the last byte of rank 0's codes (its 4-byte scale follows)
+            return got
+        allgather_mod.all_gather_bytes = bad_gather
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(128, 128).to(dev)
+            ddp = DDP(model, device_ids=[0])
+            state = gradq.register(ddp, "terngrad:pack=2bit", "allgather", nan_policy="skip", min_numel=100)
+            skipped = []
+            for step in range(3):
+                at[0] = step
+                ddp(torch.randn(8, 128, device=dev)).sum().backward()
+                skipped.append(state.last_stats["skipped"])
+            out["invalid"] = {"skipped": skipped, "count": state.skipped_steps}
+        finally:
+            allgather_mod.all_gather_bytes = gather
     finally:
         teardown()
     with open(f"{tmp}/hook{rank}.json", "w") as f:
@@ -205,6 +231,7 @@ def test_hook_on_cuda_tensors_keeps_replicas_identical(tmp_path):
             assert v["groups"] >= 2, v          # several groups: jobs started before the last bucket
             assert v["encode"] > 0, v            # timed with CUDA events
         assert r["skip"] == {"skipped": True, "count": 1, "zero": True}, r["skip"]
+        assert r["invalid"] == {"skipped": [False, True, False], "count": 1}, r["invalid"]
 
 
 def test_fsdp2_reduce_scatter_on_cuda_tensors(tmp_path):

@@ -493,8 +493,8 @@ class _Step:
             raise PayloadError(f"gradq_hook: step {state.step - 1}: {damaged} payload(s) arrived damaged (CRC-32 "
                                f"mismatch, or codes no encode writes){mine}; the step is refused on every rank "
                                "(nan_policy='skip' skips it)")
-        logger.warning("gradq_hook: step %d skipped on every rank: %d payload(s) arrived damaged%s",
-                       state.step - 1, damaged, mine)
+        logger.warning("gradq_hook: step %d skipped on every rank: %d payload(s) arrived damaged (CRC-32 mismatch, "
+                       "or codes no encode writes)%s", state.step - 1, damaged, mine)
         self._zero_after_ddp()
 
     def _zero_after_ddp(self) -> None:
