@@ -366,10 +366,14 @@ def test_codec_times_are_read_per_mb_and_found_under_any_spelling(tmp_path):
 
 def test_codec_times_take_the_encode_the_hook_makes(tmp_path):
     """A GPU file also holds the encode without the NaN/Inf check, which is the one the DDP hook
-    makes (it screens the bucket itself): that time is the projection's."""
+    makes (it screens the bucket itself), and the decode with its checks deferred, as the hook's
+    protocols decode: those times are the projection's, where a row has them."""
     path = _times_file(tmp_path, [{"spec": "maxnorm:bits=4", "encode_ms": 20.0, "decode_ms": 5.0,
-                                   "encode_unchecked_ms": 12.0}])
+                                   "encode_unchecked_ms": 12.0},
+                                  {"spec": "terngrad", "encode_ms": 20.0, "decode_ms": 5.0,
+                                   "decode_deferred_ms": 3.0}])
     assert pm.load_codec_times(path).lookup("maxnorm:bits=4") == (0.12, 0.05)
+    assert pm.load_codec_times(path).lookup("terngrad") == (0.2, 0.03)
 
 
 @pytest.mark.parametrize("which, device", [("default", "CPU"), ("h100", "H100")])
