@@ -8,10 +8,11 @@ one to a counter for each payload in which they found such fields, and return: t
 not meaningful where the fields were invalid (every kernel reads in bounds: an invalid index reads
 the first level or scale), and the caller must refuse it after one look at the counter.
 
-The DDP hook and the protocols it calls (with ``defer_damage=True``) decode this way: the counter
-rides in the step's agreement with the damaged payloads, so every rank refuses (or skips) the same
-step with one host read per step, where a decode that raised on one rank alone would leave its peers
-waiting in the next collective. A decode outside the context raises at once, as before.
+The protocols of :mod:`gradq.comm` decode this way. Called alone, one refuses such a payload after
+its last collective, so that no peer waits in a collective for a rank that left. Under the DDP hook
+(and ``allreduce_``) the counter rides in the step's agreement with the damaged payloads, so every
+rank refuses (or skips) the same step, with one host read per step. A decode outside the context
+raises at once, as before.
 
     with deferred_checks() as checks:
         a = q.decode(p1)
