@@ -343,7 +343,7 @@ def test_codes_no_encode_writes_are_refused_on_every_rank_without_checksums(tmp_
     for r in res:
         if policy == "raise":
             assert r["error_step"] == 3, r
-            assert "codes no encode writes" in r["error"] and "refused on every rank" in r["error"], r
+            assert "corrupt codes" in r["error"] and "refused on every rank" in r["error"], r
         else:
             assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
             assert r["unchanged"] == [True] and len(r["same"]) == 6, r

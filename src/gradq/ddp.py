@@ -46,7 +46,8 @@ reproduces the uninterrupted run bit for bit.
 Non-finite gradients and damaged payloads **[decided]**: nobody stops mid-step, so no rank waits alone
 in a collective. A rank whose group holds a non-finite value encodes zeros in its place and counts it;
 payloads whose CRC-32 fails are counted where they arrive, and so are those whose decode finds codes
-no encode writes (with or without checksums: :func:`gradq.kernels.deferred_checks`); the step's last
+no encode writes or that do not decode at all (with or without checksums:
+:func:`gradq.kernels.deferred_checks`); the step's last
 collective sums the counts over the ranks (on a GPU they stay on the device until then: the host reads
 them once per step; the protocols encode the screened groups with ``check_finite=False`` and decode
 with the checks deferred, so no encode or decode reads one either).

@@ -94,7 +94,8 @@ class _Figures:
             setattr(self, k, getattr(self, k) + info.get(k, 0.0))
         self.damaged += info.get("damaged", 0)
         self.invalid = self.invalid + info.get("invalid", 0)
-        self.damaged_what += [w if name is None else f"{name}: {w}" for w in info.get("damaged_what", [])]
+        self.damaged_what += [w if name is None else f"{name}: {w}"
+                              for w in info.get("damaged_what", []) + info.get("invalid_what", [])]
 
 
 class _Step:
@@ -491,10 +492,10 @@ class _Step:
         mine = f"; on this rank: {', '.join(what[:4])}" if what else ""
         if state.nan_policy == "raise":
             raise PayloadError(f"gradq_hook: step {state.step - 1}: {damaged} payload(s) arrived damaged (CRC-32 "
-                               f"mismatch, or codes no encode writes){mine}; the step is refused on every rank "
+                               f"mismatch, or corrupt codes){mine}; the step is refused on every rank "
                                "(nan_policy='skip' skips it)")
         logger.warning("gradq_hook: step %d skipped on every rank: %d payload(s) arrived damaged (CRC-32 mismatch, "
-                       "or codes no encode writes)%s", state.step - 1, damaged, mine)
+                       "or corrupt codes)%s", state.step - 1, damaged, mine)
         self._zero_after_ddp()
 
     def _zero_after_ddp(self) -> None:

@@ -127,19 +127,27 @@ def _child(rank: int, world: int, tmp: str) -> None:
     from gradq.comm import allgather as allgather_mod
     gather = allgather_mod.all_gather_bytes
 
+    damage = [-5]   # the last byte of rank 0's codes (its 4-byte scale follows); 0: its header's first
+
     def bad_gather(*a, **k):
         got = gather(*a, **k)
         if rank == 1:
             got[0] = got[0].clone()
-            got[0][-5] = 0xFF   # the last byte of rank 0's codes (its 4-byte scale follows)
+            got[0][damage[0]] = 0xFF
         return got
     allgather_mod.all_gather_bytes = bad_gather
     calls = {"invalid|allgather": lambda: allgather_mean(grad(rank, 400), gradq.build("terngrad:pack=2bit"),
                                                          seed=SEED, checksum=False),
              "invalid|api": lambda: gradq.allreduce_([grad(rank, 400)], "terngrad:pack=2bit", protocol="allgather",
-                                                     seed=SEED, checksum=False)}
+                                                     seed=SEED, checksum=False),
+             # a damaged header, which no decode reads: the payload does not parse
+             "invalid|header": lambda: allgather_mean(grad(rank, 400), gradq.build("qsgd:bits=4"), seed=SEED,
+                                                      checksum=False),
+             "invalid|header-api": lambda: gradq.allreduce_([grad(rank, 400)], "qsgd:bits=4", protocol="allgather",
+                                                            seed=SEED, checksum=False)}
     try:
         for label, call in calls.items():
+            damage[0] = 0 if "header" in label else -5
             try:
                 call()
                 res[label] = None
@@ -234,16 +242,20 @@ def run(request, tmp_path_factory):
 
 
 def test_codes_no_encode_writes_are_refused_after_the_last_collective(run):
-    """Without checksums a payload whose codes no encode writes is found by its decode: a protocol
-    called alone refuses it on the rank that decoded it, once its collectives are done (no peer waits);
-    ``allreduce_`` agrees on it, so every rank refuses the average."""
+    """Without checksums a payload whose codes no encode writes, or whose header does not parse, is
+    found by its decode: a protocol called alone refuses it on the rank that decoded it, once its
+    collectives are done (no peer waits); ``allreduce_`` agrees on it, so every rank refuses the
+    average."""
     world, outs = run
     for r in range(world):
-        err = outs[r]["invalid|allgather"]
-        assert (err is not None) == (r == 1), (r, err)
-        assert err is None or "held codes no encode writes" in err, err
-        err = outs[r]["invalid|api"]
-        assert err is not None and "codes no encode writes" in err and "refused on every rank" in err, (r, err)
+        for alone, agreed in (("invalid|allgather", "invalid|api"), ("invalid|header", "invalid|header-api")):
+            err = outs[r][alone]
+            assert (err is not None) == (r == 1), (alone, r, err)
+            assert err is None or "arrived corrupt" in err, err
+            err = outs[r][agreed]
+            assert err is not None and "arrived corrupt" in err and "refused on every rank" in err, (agreed, r, err)
+        if r == 1:   # the rank that decoded them names the payloads that did not decode
+            assert "payload from rank 0" in outs[r]["invalid|header"], outs[r]["invalid|header"]
 
 
 def test_sum_over_ranks_and_byte_gather(run):

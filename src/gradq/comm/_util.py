@@ -297,6 +297,21 @@ def refused_later(info: dict) -> Iterator[None]:
         info["invalid"] = info.get("invalid", 0) + count
 
 
+def decoded_or_zeros(info: dict, decode: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
+                     what: str) -> torch.Tensor:
+    """``decode()``, or where it raises :class:`gradq.PayloadError` (a payload that no check before
+    the decode could refuse: a damaged header without a checksum, an entropy-coded stream that does
+    not read) ``zeros()``, with the payload counted in ``info["invalid"]`` and named in
+    ``info["invalid_what"]``: refused with the damaged ones after the last collective, so that no
+    rank leaves a protocol (or the hook's step) early while its peers wait in a collective."""
+    try:
+        return decode()
+    except PayloadError as exc:
+        info["invalid"] = info.get("invalid", 0) + 1
+        info.setdefault("invalid_what", []).append(f"{what} ({exc})")
+        return zeros()
+
+
 @contextmanager
 def decoding(info: dict) -> Iterator[None]:
     """A protocol's decode phase: :func:`phase` ``"decode"`` and :func:`refused_later`."""
@@ -317,8 +332,9 @@ def raise_if_damaged(fn: str, info: dict, defer: bool) -> None:
         raise PayloadError(f"{fn}: {info['damaged']} payload(s) arrived damaged (CRC-32 mismatch): "
                            f"{', '.join(info['damaged_what'][:4])}; the result was not used")
     if invalid:
-        raise PayloadError(f"{fn}: {invalid} payload(s) held codes no encode writes (corrupt in transit); "
-                           "the result was not used")
+        named = info.get("invalid_what", [])
+        raise PayloadError(f"{fn}: {invalid} payload(s) arrived corrupt (codes no encode writes, or bytes that "
+                           f"do not decode){': ' + '; '.join(named[:4]) if named else ''}; the result was not used")
 
 
 def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[int] = (),

@@ -17,8 +17,8 @@ from typing import Any, Optional
 import torch
 
 from ..quantizers.base import Quantizer
-from ._util import (all_gather_bytes, check_inputs, decode_bytes, decoding, mean_in_order, note_damage, phase,
-                    raise_if_damaged, seal_bytes, sealed_payload, unseal)
+from ._util import (all_gather_bytes, check_inputs, decode_bytes, decoded_or_zeros, decoding, mean_in_order,
+                    note_damage, phase, raise_if_damaged, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["allgather_mean", "allgather_bytes_per_worker", "AllgatherPipeline"]
 
@@ -156,8 +156,18 @@ def _mean_of_payloads(q: Quantizer, bufs: list[torch.Tensor], trailer: int, like
         if not ok:
             note_damage(info, (f"{name}: " if name else "") + f"payload from rank {m}")
         bodies.append(body if ok else None)
+    # (a payload that does not parse or decode counts as zeros too, and is refused with the damaged ones)
+    zeros = lambda: like.new_zeros(like.shape)  # noqa: E731
+    where = (f"{name}: " if name else "") + "payload from rank {}"
     if like.dtype == torch.float32 and all(b is not None for b in bodies):
-        return q.decode_mean([q.payload_from_bytes(b, like.shape, like.dtype, copy=False) for b in bodies], out=out)
-    parts = [decode_bytes(q, b, like.shape, like.dtype) if b is not None else like.new_zeros(like.shape) for b in bodies]
+        parsed = [decoded_or_zeros(info, lambda b=b: q.payload_from_bytes(b, like.shape, like.dtype, copy=False),
+                                   lambda: None, where.format(m)) for m, b in enumerate(bodies)]
+        if all(p is not None for p in parsed):
+            return decoded_or_zeros(info, lambda: q.decode_mean(parsed, out=out),
+                                    lambda: zeros() if out is None else out.zero_(),
+                                    (f"{name}: " if name else "") + "the payloads' mean")
+        bodies = [b if p is not None else None for b, p in zip(bodies, parsed)]   # (counted once, above)
+    parts = [decoded_or_zeros(info, lambda b=b: decode_bytes(q, b, like.shape, like.dtype), zeros, where.format(m))
+             if b is not None else zeros() for m, b in enumerate(bodies)]
     mean = mean_in_order(parts).reshape(like.shape).to(like.dtype)
     return mean if out is None else out.copy_(mean)

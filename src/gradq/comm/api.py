@@ -150,7 +150,7 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
                                rank=rank, out=t, info=info, checksum=checksum, defer_damage=True)
                 damaged += info.get("damaged", 0)
                 invalid = invalid + info.get("invalid", 0)
-                where += [f"{name!r}: {w}" for w in info.get("damaged_what", [])]
+                where += [f"{name!r}: {w}" for w in info.get("damaged_what", []) + info.get("invalid_what", [])]
         except CommunicationError as exc:
             raise exc.within(f"allreduce_: tensor {name!r}") from exc
         sent += b
@@ -166,6 +166,6 @@ def allreduce_(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], quantizer: 
         if n_damaged or n_invalid:
             mine = f"; on this rank: {', '.join(where[:4])}" if where else ""
             what = (f"{n_damaged} payload(s) arrived damaged (CRC-32 mismatch)" if n_damaged else
-                    f"{n_invalid} payload(s) held codes no encode writes (corrupt in transit)")
+                    f"{n_invalid} payload(s) arrived corrupt (codes no encode writes, or bytes that do not decode)")
             raise PayloadError(f"allreduce_: {what}{mine}; the average is refused on every rank")
     return {"protocol": protocol, "bytes_sent": sent, "numel": numel}

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import (check_inputs, collective, decode_bytes, mean_in_order, note_damage, phase, plain, raise_if_damaged,
-                    refused_later, seal_bytes, sealed_payload, unseal)
+from ._util import (check_inputs, collective, decode_bytes, decoded_or_zeros, mean_in_order, note_damage, phase, plain,
+                    raise_if_damaged, refused_later, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["parameter_server_mean"]
 
@@ -97,7 +97,9 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
                 body, ok = unseal(b[:sz], trailer)
                 if not ok:
                     note_damage(info, f"payload pushed by rank {m}")
-                parts.append(decode_bytes(q, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape))
+                parts.append(decoded_or_zeros(info, lambda body=body: decode_bytes(q, body, x.shape, x.dtype),
+                                              lambda: x.new_zeros(x.shape), f"payload pushed by rank {m}")
+                             if ok else x.new_zeros(x.shape))
         avg = mean_in_order(parts)
     if not requantize:
         out = avg if rank == server else torch.empty(x.numel(), dtype=torch.float32, device=dev)
@@ -119,7 +121,9 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
         if not ok:
             note_damage(info, "the re-encoded average from the server")
         with refused_later(info):
-            out = decode_bytes(q2, body, x.shape, x.dtype) if ok else x.new_zeros(x.shape).reshape(-1)
+            zeros = lambda: x.new_zeros(x.shape).reshape(-1)  # noqa: E731
+            out = decoded_or_zeros(info, lambda: decode_bytes(q2, body, x.shape, x.dtype), zeros,
+                                   "the re-encoded average from the server") if ok else zeros()
         pull = fixed2
     # the server's decode and re-encode count as waiting for the others
     info["comm_s"] = info.get("comm_s", 0.0) + time.perf_counter() - t_comm

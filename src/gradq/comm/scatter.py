@@ -50,8 +50,8 @@ import torch.distributed as dist
 from ..quantizers.base import Quantizer
 from ..transforms import ErrorFeedback
 from . import lifecycle
-from ._util import (all_gather_bytes, check_inputs, collective, decoding, note_damage, phase, plain, raise_if_damaged,
-                    seal, seal_bytes, sealed_payload, unseal)
+from ._util import (all_gather_bytes, check_inputs, collective, decoded_or_zeros, decoding, note_damage, phase, plain,
+                    raise_if_damaged, seal, seal_bytes, sealed_payload, unseal)
 
 __all__ = ["scatter_allgather", "scatter_bytes_per_worker", "ScatterPipeline", "SEGMENT_NUMEL"]
 
@@ -377,7 +377,9 @@ class ScatterPipeline:
                 note_damage(self.info, f"{where}chunk {rank} payload from rank {src}"
                             + (f" (segment {st['tag'][1:]})" if st["tag"] else ""))
             # a damaged chunk is not decoded: the step will be refused, and its bytes could be anything
-            avg = _decode_mean(self.q, list(bodies), chunk) if all(intact) else recv.new_zeros(chunk, dtype=torch.float32)
+            zeros = lambda: recv.new_zeros(chunk, dtype=torch.float32)  # noqa: E731
+            avg = decoded_or_zeros(self.info, lambda: _decode_mean(self.q, list(bodies), chunk), zeros,
+                                   f"chunk {rank}") if all(intact) else zeros()
         with phase(self.info, "encode"):
             # (with check_finite=False: the average of finite decodes, finite unless float32 overflows)
             pb = sealed_payload(self.q2.encode(avg, seed=derive_seed(st["seed"], rank, "reencode"),
@@ -404,8 +406,10 @@ class ScatterPipeline:
                 if not ok:
                     res[lo:hi] = 0.0
                     continue
-                pl = self.q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
-                if hi - lo == chunk:
-                    self.q2.decode(pl, out=res[lo:hi])
-                else:
+                def one(lo=lo, hi=hi, buf=buf):
+                    pl = self.q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
+                    if hi - lo == chunk:
+                        return self.q2.decode(pl, out=res[lo:hi])
                     res[lo:hi] = self.q2.decode(pl)[: hi - lo]
+                    return res[lo:hi]
+                decoded_or_zeros(self.info, one, lambda lo=lo, hi=hi: res[lo:hi].zero_(), f"averaged chunk {j}")
