@@ -150,22 +150,23 @@ def _mean_of_payloads(q: Quantizer, bufs: list[torch.Tensor], trailer: int, like
     """The average, in rank order, of the decodes of every rank's sealed payload (shape and dtype of
     ``like``): one fused pass where the scheme has a kernel (bit-identical to decoding each and adding);
     a payload whose checksum fails is noted in ``info`` and counts as zeros (the step will be refused)."""
+    prefix = f"{name}: " if name else ""
+    where = prefix + "payload from rank {}"
     bodies = []
     for m, sealed in enumerate(bufs):
         body, ok = unseal(sealed, trailer)
         if not ok:
-            note_damage(info, (f"{name}: " if name else "") + f"payload from rank {m}")
+            note_damage(info, where.format(m))
         bodies.append(body if ok else None)
     # (a payload that does not parse or decode counts as zeros too, and is refused with the damaged ones)
     zeros = lambda: like.new_zeros(like.shape)  # noqa: E731
-    where = (f"{name}: " if name else "") + "payload from rank {}"
     if like.dtype == torch.float32 and all(b is not None for b in bodies):
         parsed = [decoded_or_zeros(info, lambda b=b: q.payload_from_bytes(b, like.shape, like.dtype, copy=False),
                                    lambda: None, where.format(m)) for m, b in enumerate(bodies)]
         if all(p is not None for p in parsed):
             return decoded_or_zeros(info, lambda: q.decode_mean(parsed, out=out),
                                     lambda: zeros() if out is None else out.zero_(),
-                                    (f"{name}: " if name else "") + "the payloads' mean")
+                                    prefix + "the payloads' mean")
         bodies = [b if p is not None else None for b, p in zip(bodies, parsed)]   # (counted once, above)
     parts = [decoded_or_zeros(info, lambda b=b: decode_bytes(q, b, like.shape, like.dtype), zeros, where.format(m))
              if b is not None else zeros() for m, b in enumerate(bodies)]
