@@ -1,12 +1,14 @@
 """gradq.netem: rate parsing, naming, the launcher on loopback, and (with root) a real 2-host network."""
 
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from gradq.netem import EmulatedNetwork, NetemError, can_emulate, format_rate, launch, parse_rate
+from gradq.netem import (STOP_GRACE, EmulatedNetwork, NetemError, can_emulate, format_rate, launch, parse_rate,
+                         stop_ranks)
 
 
 def test_parse_rate():
@@ -56,6 +58,35 @@ def test_a_failing_rank_stops_the_others():
         launch([slow], timeout=1)
     with pytest.raises(ValueError):
         launch([])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX job-control signals")
+def test_a_stopped_rank_is_ended_at_once_not_after_the_grace(tmp_path):
+    """A rank stopped by SIGSTOP holds the launcher's SIGTERM pending; the launcher continues it, so it
+    ends at once. Bound: the grace (10 s) minus a generous 5 s for process start-up on a loaded host."""
+    flag = tmp_path / "ready"
+    stopper = [sys.executable, "-c", f"import os, signal, time; open({str(flag)!r}, 'w').close(); "
+                                     "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"]
+    failer = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)\n"
+                                    "time.sleep(0.3); raise SystemExit(3)"]
+    t0 = time.monotonic()
+    with pytest.raises(NetemError, match=r"rank\(s\) \[1\]"):
+        launch([stopper, failer], timeout=120)
+    assert time.monotonic() - t0 < STOP_GRACE - 5
+
+
+def test_stop_ranks_kills_what_ignores_sigterm_after_one_shared_grace():
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(3)]
+    for p in procs:
+        assert p.stdout.readline().strip() == b"1"  # the handler is in place
+    t0 = time.monotonic()
+    stop_ranks(procs, grace=1.0)
+    took = time.monotonic() - t0
+    assert all(p.returncode == -signal.SIGKILL for p in procs)
+    assert 1.0 <= took < 2.9  # one deadline for all three: a grace each would take at least 3 s
+    for p in procs:
+        p.stdout.close()
 
 
 SERVER = """

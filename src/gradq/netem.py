@@ -29,7 +29,7 @@ import time
 from typing import Mapping, Optional, Sequence
 
 __all__ = ["parse_rate", "format_rate", "can_emulate", "EmulatedNetwork", "launch", "launch_on", "free_port",
-           "NetemError"]
+           "stop_ranks", "STOP_GRACE", "NetemError"]
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
@@ -238,15 +238,35 @@ def launch(cmds: Sequence[Sequence[str]], *, net: Optional[EmulatedNetwork] = No
             time.sleep(0.05)
         return [int(c) for c in codes]  # type: ignore[arg-type]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_ranks(procs)
+
+
+#: seconds the ranks left running get, together, to exit after SIGTERM before they are killed
+STOP_GRACE = 10.0
+
+
+def stop_ranks(procs: Sequence[subprocess.Popen], grace: float = STOP_GRACE) -> None:
+    """Stop every process of ``procs`` still running: SIGTERM, then SIGKILL for any still there after
+    ``grace`` seconds (one deadline for all of them, not ``grace`` each).
+
+    SIGTERM is followed by SIGCONT: a stopped process (SIGSTOP, a debugger's halt, a terminal's
+    Ctrl-Z) holds a SIGTERM pending until it runs again, so without it a stalled rank would sit out
+    the whole grace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            p.terminate()
+            if hasattr(signal, "SIGCONT"):
+                os.kill(p.pid, signal.SIGCONT)
+        except ProcessLookupError:  # it ended in between
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def launch_on(cmds: Sequence[Sequence[str]], rate: Optional[str] = None, *, timeout: Optional[float] = None,
