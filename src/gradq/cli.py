@@ -11,6 +11,8 @@
 * ``gradq convex tradeoff|qsvrg|async|gd`` — the QSGD paper's convex experiments on problems with a known
   optimum (:mod:`gradq.convex`).
 * ``gradq list`` — every scheme with its parameters and defaults.
+* ``gradq compile [--compressor SPEC ...]`` — compile the CPU kernels into numba's on-disk cache once
+  per machine, before a ``torchrun`` of many ranks (:mod:`gradq.precompile`).
 * ``gradq compare --compressor SPEC ... | --all`` — quantize one real model's gradients with each spec
   and print bits/coordinate, relative error and bias (no training).
 """
@@ -145,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"gradq {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list every scheme with its default spec")
+    k = sub.add_parser("compile", help="compile the CPU kernels once per machine (before torchrun starts many ranks)")
+    k.add_argument("--compressor", "-c", action="append", metavar="SPEC",
+                   help="compile what this spec uses (repeatable; default: every scheme's kernels)")
     _add_train_args(sub.add_parser("train", help="train data-parallel with one or more compressors"), demo=False)
     _add_train_args(sub.add_parser("demo", help="4 workers on digits: fp32 vs eight compressors and PowerSGD"),
                     demo=True)
@@ -198,6 +203,20 @@ def _finish(dirs: list, out: str, target: Optional[float], figures: bool, title:
     if figures:
         md, figs = write_report(dirs, out, target=target, title=title)
         print(f"report: {md}" + (f" ({len(figs)} figures)" if figs else " (figures skipped: matplotlib missing)"))
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    import time
+
+    from .kernels.numba_cache import cache_dir
+    from .precompile import precompile
+
+    t0 = time.perf_counter()
+    took = precompile(args.compressor, progress=True)
+    for spec, seconds in took.items():
+        print(f"{spec:36s} {seconds:6.1f} s")
+    print(f"compiled in {time.perf_counter() - t0:.1f} s; cache: {cache_dir()}")
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -341,6 +360,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "list":
             return _cmd_list(args)
+        if args.command == "compile":
+            return _cmd_compile(args)
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "demo":

@@ -19,9 +19,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-from .runner import TrainConfig, run_dir_name, train_worker
+from .runner import TrainConfig, baseline_kind, run_dir_name, train_worker
 
 __all__ = ["run_all", "under_torchrun", "finished"]
 
@@ -69,6 +69,17 @@ def _check_local_devices(cfg: TrainConfig) -> None:
                            "to share a GPU")
 
 
+def _precompile(configs: Iterable[TrainConfig]) -> None:
+    """Compile the CPU kernels of the gradq specs about to run on local CPU workers, once, here
+    (:func:`gradq.precompile.precompile`): on a cold cache, ranks started together would each compile
+    them at once on the same cores. About a second when the cache already holds them."""
+    specs = [c.compressor for c in configs if c.backend == "gloo" and baseline_kind(c.compressor)[0] == "gradq"]
+    if specs:
+        from ..precompile import precompile
+
+        precompile(dict.fromkeys(specs), progress=True)
+
+
 def _local(cfg: TrainConfig, run_dir: Path, net: Any, timeout: Optional[float]) -> None:
     from ..netem import launch
 
@@ -106,6 +117,8 @@ def run_all(configs: Sequence[TrainConfig], out: str | os.PathLike, *, force: bo
         lifecycle.before_init()
         limit = timedelta(seconds=configs[0].comm_timeout if configs else 300.0)
         dist.init_process_group(configs[0].backend if configs else "gloo", timeout=limit)
+    if not torchrun:
+        _precompile(cfg for cfg, run in zip(configs, todo) if run)
     rank0 = not torchrun or int(os.environ.get("RANK", "0")) == 0
     try:
         for i, (cfg, d, run) in enumerate(zip(configs, dirs, todo)):
