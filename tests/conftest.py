@@ -6,6 +6,13 @@ set (each kernel, each code path, each edge case at least once) carry the ``full
 with ``pytest --full`` or ``GRADQ_FULL_TESTS=1``; the default suite stays within its time on two
 cores. :func:`gradq_testing.grid` builds such parameter lists.
 
+**Order, and the numba cache.** The tests of Triton's interpreter (``tests/kernels/test_triton_*.py``)
+run first. They are single-threaded Python. When the run is large (the whole suite) and numba's
+cache holds no gradq kernels yet (a fresh clone in CI, or an edited kernel file), a background
+``python -m gradq.precompile`` compiles every scheme's CPU kernels on the other core meanwhile. The
+tests after them then load those kernels instead of compiling them one test at a time, and ranks
+started together no longer each compile the same ones. ``GRADQ_TEST_PRECOMPILE=0`` turns that off.
+
 One profile, "gradq", is registered and loaded for the whole suite. Another registered profile can be
 chosen with the environment variable GRADQ_HYPOTHESIS_PROFILE (for example hypothesis's built-in
 "default" or "ci"), or with hypothesis's own ``--hypothesis-profile`` option, which its pytest plugin
@@ -16,6 +23,9 @@ set ``deadline``: an explicit value in ``@settings`` overrides the profile.
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -55,7 +65,14 @@ def _full(config) -> bool:
     return bool(config.getoption("--full")) or os.environ.get("GRADQ_FULL_TESTS", "").strip() == "1"
 
 
+def _interpreted(item) -> bool:
+    """A test of Triton's interpreter (single-threaded Python: the background compile's time)."""
+    path = Path(str(item.fspath))
+    return path.parent.name == "kernels" and path.name.startswith("test_triton_")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not _interpreted(item))  # stable: the files keep their order within each
     if _full(config):
         return
     skip = pytest.mark.skip(reason="exhaustive case: run with --full (or GRADQ_FULL_TESTS=1)")
@@ -68,3 +85,38 @@ def pytest_collection_modifyitems(config, items):
 def full_tests(request) -> bool:
     """True when the exhaustive tier runs (``--full``): tests that loop over cases use it to choose."""
     return _full(request.config)
+
+
+#: a run of at least this many tests starts the background compile on a cold cache
+_PRECOMPILE_MIN_TESTS = 500
+_background: list[subprocess.Popen] = []
+
+
+def _cold_numba_cache() -> bool:
+    """Whether the CPU kernels would be compiled here: numba is the CPU backend and its cache for
+    this version of the kernel sources holds nothing yet."""
+    if os.environ.get("GRADQ_KERNELS", "").strip().lower() in ("0", "torch", "triton"):
+        return False
+    try:
+        import numba  # noqa: F401
+
+        from gradq.kernels.numba_cache import cache_dir
+    except ImportError:
+        return False
+    return not any(Path(cache_dir()).rglob("*.nbi"))
+
+
+def pytest_collection_finish(session):
+    if (os.environ.get("GRADQ_TEST_PRECOMPILE", "1").strip() == "0" or os.environ.get("PYTEST_XDIST_WORKER")
+            or len(session.items) < _PRECOMPILE_MIN_TESTS or not _cold_numba_cache()):
+        return
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    _background.append(subprocess.Popen([sys.executable, "-m", "gradq.precompile"], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for p in _background:  # a short or interrupted run: what compiled so far stays in the cache
+        if p.poll() is None:
+            p.kill()
+        p.wait()
