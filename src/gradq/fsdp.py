@@ -73,9 +73,10 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import NonFiniteError, PayloadError
+from .errors import NonFiniteError
 from .factory import build
 from .fsdp_layout import Layout, Plan, read_segments, screen
+from .fsdp_wire import decode_sum, encode_rows
 from .quantizers.base import Quantizer
 from .transforms import ErrorFeedback
 
@@ -87,7 +88,6 @@ logger = logging.getLogger(__name__)
 INTRA_NODE = (None, "fp32")
 _NAN_POLICIES = ("raise", "skip")
 _DDP_ONLY = ("warmup_steps", "measure_error", "adaptive", "group_mb", "strategy", "module", "timeout")
-_FLAG = 4   # bytes per payload carrying the sender's count of non-finite values (int32)
 
 
 def _reduce_scatter_single() -> Any:
@@ -338,15 +338,16 @@ class GradqReduceScatter:
             ex_group = group
             owners = list(range(world))
         with phase(info, "encode"):
-            bufs, fixed, bad = self._encode_rows(rows, plan, owners, rank, key, bad)
+            bufs, fixed, bad = encode_rows(self.quantizer, rows, plan, owners, rank, key, bad, seed=self.seed,
+                                           call=self.calls, checksum=self.checksum)
         sizes = [b.numel() for b in bufs]
         from .comm.scatter import _exchange
 
         with phase(info, "comm"):
             recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, ex_group)
         with phase(info, "decode"):
-            total, bad_total = self._decode_sum(recv, recv_sizes, plan, rows.dtype, rows.device, key,
-                                                world if kind == "avg" else None, factor)
+            total, bad_total = decode_sum(self.quantizer, recv, recv_sizes, plan, rows.dtype, rows.device, key,
+                                          world if kind == "avg" else None, factor, checksum=self.checksum)
             if defer:
                 total = torch.where(bad_total > 0, torch.zeros((), device=total.device), total)
             elif int(bad_total):
@@ -373,128 +374,6 @@ class GradqReduceScatter:
                    group=self._local_group)
         sent = (L - 1) * (N * S + 1) * rows.element_size()
         return recv[:-1].view(N, S), recv[-1].round().to(torch.int64), sent
-
-    def _encode_rows(self, rows: torch.Tensor, plan: Plan, owners: list[int], rank: int, key: str,
-                     bad: Any, screened: Optional[bool] = None) -> tuple[list[torch.Tensor], Optional[int], Any]:
-        """Row ``j``'s payload for ``owners[j]``: [part lengths when variable] compressed parts, raw
-        full-precision values, the non-finite count (int32), [CRC-32]. Returns the payloads, their
-        common size (``None`` when data-dependent) and the count. ``bad=None``: the quantizer's own
-        screen finds non-finite values (it raises before encoding anything); the rows are then
-        counted, cleaned and encoded again. ``screened`` (default: ``bad`` is not None): the rows were
-        cleaned here, so the quantizer may skip its own check (on a GPU, a host read per payload)."""
-        if screened is None:
-            screened = bad is not None
-        if bad is None:
-            n_bad, _ = screen(plan.split(rows)[1])   # the raw values: no quantizer looks at them
-            if n_bad:
-                bad, rows = screen(rows)
-            else:
-                try:
-                    return self._encode_rows(rows, plan, owners, rank, key, 0, screened=False)
-                except NonFiniteError:
-                    bad, rows = screen(rows)
-            screened = True
-        from .comm import derive_seed
-        from .comm._util import seal, seal_bytes
-
-        q = self.quantizer
-        trailer = seal_bytes(rows.device, self.checksum)
-        comp, full = plan.split(rows)
-        comp = comp.to(torch.float32)
-        full = full.contiguous()
-        raw = full.element_size() * plan.n_full
-        fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
-        variable = any(f is None for f in fixed_parts)
-        head = 4 * len(plan.parts) if variable else 0
-        if isinstance(bad, torch.Tensor):
-            flag = bad.clamp(max=2 ** 31 - 1).to(torch.int32).reshape(1).view(torch.uint8)
-        else:
-            flag = torch.tensor([min(int(bad), 2 ** 31 - 1)], dtype=torch.int32).view(torch.uint8)
-        bufs = []
-        for j, owner in enumerate(owners):
-            tag = f"rs{self.calls}:{owner}"
-            payloads = []
-            for i, (a, b) in enumerate(plan.parts):
-                pk = tag if len(plan.parts) == 1 else f"{tag}:{i}"
-                ss = derive_seed(self.seed, None, pk) if q.needs_shared_seed else None
-                payloads.append(q.encode(comp[j, a:b], seed=derive_seed(self.seed, rank, pk), shared_seed=ss,
-                                         name=f"{key}:{owner}:{i}", check_finite=not screened))
-            buf = torch.empty(head + sum(p.nbytes for p in payloads) + raw + _FLAG + trailer, dtype=torch.uint8,
-                              device=rows.device)
-            if variable:
-                buf[:head].copy_(torch.tensor([p.nbytes for p in payloads], dtype=torch.int32).view(torch.uint8))
-            pos = head
-            for p in payloads:
-                p.to_bytes(out=buf[pos:pos + p.nbytes])
-                pos += p.nbytes
-            if raw:
-                buf[pos:pos + raw].copy_(full[j].view(torch.uint8))
-                pos += raw
-            buf[pos:pos + _FLAG].copy_(flag)
-            seal(buf, trailer)
-            bufs.append(buf)
-        fixed = None if variable else head + sum(fixed_parts) + raw + _FLAG + trailer  # type: ignore[arg-type]
-        return bufs, fixed, bad
-
-    def _decode_sum(self, recv: torch.Tensor, recv_sizes: list[int], plan: Plan, dtype: torch.dtype,
-                    device: torch.device, key: str, divide: Optional[int],
-                    factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode the received payloads and reduce them, summed in rank order: divided by ``divide``
-        (AVG), else times ``factor``. Returns ``(result, non-finite count over the senders)`` (the count
-        a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype). The mean of the
-        compressed values is one fused pass (``decode_mean``) when every rank's payload is here."""
-        from .comm._util import seal_bytes, unseal
-
-        q = self.quantizer
-        trailer = seal_bytes(device, self.checksum)
-        fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
-        variable = any(f is None for f in fixed_parts)
-        head = 4 * len(plan.parts) if variable else 0
-        parts: list[list[Any]] = [[] for _ in plan.parts]
-        raws, flags = [], []
-        for i, buf in enumerate(torch.split(recv, recv_sizes)):
-            body, intact = unseal(buf, trailer)
-            if not intact:
-                raise PayloadError(f"GradqReduceScatter: the payload from rank {i} of module {key!r} failed its "
-                                   "checksum")
-            # (a received payload may start at any byte: views of wider types go through a copy)
-            lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
-            pos = head
-            for k, ((a, b), ln) in enumerate(zip(plan.parts, lens)):
-                parts[k].append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
-                pos += ln
-            raws.append(body[pos:body.numel() - _FLAG])
-            flags.append(body[body.numel() - _FLAG:])
-        K = len(recv_sizes)
-        total = torch.empty(plan.S, dtype=torch.float32, device=device)
-        if plan.n_comp:
-            one = len(plan.comp) == 1
-            cv = total[plan.comp[0][0]:plan.comp[0][1]] if one else torch.empty(plan.n_comp, device=device)
-            for (a, b), pls in zip(plan.parts, parts):
-                if divide == K:   # ((d_0 + d_1) + …)/M in one pass, bit for bit the sum then the division
-                    q.decode_mean(pls, out=cv[a:b])
-                    continue
-                acc = q.decode(pls[0], out=cv[a:b])
-                tmp = torch.empty(b - a, dtype=torch.float32, device=device)
-                for p in pls[1:]:
-                    acc.add_(q.decode(p, out=tmp))
-                if divide is not None:
-                    acc.div_(divide)
-                elif factor != 1.0:
-                    acc.mul_(factor)
-            if not one:
-                plan.scatter_into(total, plan.comp, cv)
-        if plan.n_full:
-            fv = raws[0].clone().view(dtype).to(torch.float32)
-            for r in raws[1:]:
-                fv.add_(r.clone().view(dtype).to(torch.float32))
-            if divide is not None:
-                fv.div_(divide)
-            elif factor != 1.0:
-                fv.mul_(factor)
-            plan.scatter_into(total, plan.full, fv)
-        bad_total = torch.stack([f.clone().view(torch.int32)[0] for f in flags]).to(torch.int64).sum()
-        return total, bad_total
 
     # -- steps and statistics ----------------------------------------------------------------------
     def _begin_call(self) -> None:
