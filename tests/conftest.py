@@ -9,7 +9,7 @@ cores. :func:`gradq_testing.grid` builds such parameter lists.
 **Order, and the numba cache.** The tests of Triton's interpreter (``tests/kernels/test_triton_*.py``)
 run first. They are single-threaded Python. When the run is large (the whole suite) and numba's
 cache holds no gradq kernels yet (a fresh clone in CI, or an edited kernel file), a background
-``python -m gradq.precompile`` compiles every scheme's CPU kernels on the other core meanwhile. The
+``gradq compile`` (:mod:`gradq.precompile`) compiles every scheme's CPU kernels on the other core meanwhile. The
 tests after them then load those kernels instead of compiling them one test at a time, and ranks
 started together no longer each compile the same ones. ``GRADQ_TEST_PRECOMPILE=0`` turns that off.
 
@@ -95,15 +95,12 @@ _background: list[subprocess.Popen] = []
 def _cold_numba_cache() -> bool:
     """Whether the CPU kernels would be compiled here: numba is the CPU backend and its cache for
     this version of the kernel sources holds nothing yet."""
-    if os.environ.get("GRADQ_KERNELS", "").strip().lower() in ("0", "torch", "triton"):
-        return False
-    try:
-        import numba  # noqa: F401
+    import torch
 
-        from gradq.kernels.numba_cache import cache_dir
-    except ImportError:
-        return False
-    return not any(Path(cache_dir()).rglob("*.nbi"))
+    from gradq.kernels import backend_for
+    from gradq.kernels.numba_cache import cache_dir
+
+    return backend_for(torch.zeros(1)) == "numba" and not any(Path(cache_dir()).rglob("*.nbi"))
 
 
 def pytest_collection_finish(session):
@@ -111,7 +108,7 @@ def pytest_collection_finish(session):
             or len(session.items) < _PRECOMPILE_MIN_TESTS or not _cold_numba_cache()):
         return
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    _background.append(subprocess.Popen([sys.executable, "-m", "gradq.precompile"], env=env,
+    _background.append(subprocess.Popen([sys.executable, "-m", "gradq.cli", "compile"], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 

@@ -83,9 +83,3 @@ def precompile(specs: Optional[Iterable[str]] = None, *, numel: int = 5000,
             bar.close()
     return took
 
-
-if __name__ == "__main__":  # python -m gradq.precompile [SPEC ...]
-    import sys
-
-    for name, seconds in precompile(sys.argv[1:] or None, progress=sys.stderr.isatty()).items():
-        print(f"{name:32s} {seconds:6.1f} s")
