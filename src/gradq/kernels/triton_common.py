@@ -61,8 +61,14 @@ def _jit(fn):
 # Under the interpreter, Triton re-patches the whole of ``triton.language`` each time a kernel calls a
 # device function (about 1 ms a call, a quarter of the interpreter tests' time), although the kernel's
 # launch has patched it already. gradq's device functions are only ever called from gradq's kernels
-# (one ``tl`` for all), so theirs skip that step; Triton's own library functions keep it.
+# (one ``tl`` for all), so theirs skip that step. Triton's own library functions (``tl.sum``,
+# ``tl.cumsum``, ``tl.randint4x``...) see ``triton.language.core`` under another name, which a
+# launch does not patch; the first library call patches it, and that patch is never undone (Triton
+# keeps no handle on it). So a library call repeats the patch only while that module still holds
+# Triton's own builtins: the same state, without walking every module a call (another sixth of the
+# interpreter tests' time).
 try:
+    from triton.runtime import interpreter as _interpreter
     from triton.runtime.interpreter import InterpretedFunction as _Interpreted
     from triton.runtime.errors import InterpreterError as _InterpreterError
 except ImportError:  # (another Triton layout: every call takes Triton's own path)
@@ -78,6 +84,58 @@ else:
                     return fn(*args, **kwargs)
                 except Exception as e:
                     raise _InterpreterError(repr(e)) from e
+
+        def _langs(fn) -> tuple:
+            """The language modules that Triton's ``_patch_lang`` patches for ``fn``."""
+            return tuple(v for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+        class _LibraryCall(_Interpreted):
+            def __call__(self, *args, **kwargs):
+                langs = self.__dict__.get("_gradq_langs")
+                if langs is None:
+                    langs = self._gradq_langs = _langs(self.fn)
+                if not langs or any(tl.core.is_builtin(lang.full) for lang in langs):
+                    _interpreter._patch_lang(self.fn)
+                fn = self.rewrite()
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    raise _InterpreterError(repr(e)) from e
+
+        if INTERPRETED and hasattr(_interpreter, "_patch_lang") and hasattr(tl.core, "full"):
+            for _mod in (tl, tl.core, tl.standard, tl.random, tl.math):
+                for _f in list(vars(_mod).values()):
+                    if type(_f) is _Interpreted:
+                        _f.__class__ = _LibraryCall
+
+# The interpreter also rebuilds its table of dtypes at every use (a tenth of its time in the
+# tests). The same table, built once, gives the same answers: checked here for every entry.
+if INTERPRETED and _Interpreted is not None and callable(getattr(_interpreter, "_get_np_dtype", None)):
+    def _np_dtype_table(lookup):
+        import numpy as np
+
+        names = ("int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+                 "int64", "uint64", "bfloat16", "float8e5", "float8e5b16", "float8e4nv", "float8e4b8",
+                 "float8e4b15")
+        table = {getattr(tl, n): lookup(getattr(tl, n)) for n in names if hasattr(tl, n)}
+        pointer = lookup(tl.pointer_type(tl.float32))
+
+        def get(tt_dtype):
+            if isinstance(tt_dtype, tl.pointer_type):
+                return pointer
+            if isinstance(tt_dtype, tl.block_type):
+                tt_dtype = tt_dtype.element_ty
+                if isinstance(tt_dtype, tl.pointer_type):
+                    return pointer
+            return table[tt_dtype]
+
+        probes = [*table, tl.pointer_type(tl.int8), tl.block_type(tl.float32, [4]),
+                  tl.block_type(tl.pointer_type(tl.uint8), [4])]
+        if all(get(t) == lookup(t) for t in probes) and pointer == np.dtype(np.uint64):
+            return get
+        return lookup
+
+    _interpreter._get_np_dtype = _np_dtype_table(_interpreter._get_np_dtype)
 
 
 #: Launch shapes: how much work a program takes and how many warps run it. None of them changes a
