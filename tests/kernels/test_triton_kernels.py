@@ -59,6 +59,50 @@ def same(a, b) -> bool:
                                                                       torch.uint8 else b)
 
 
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_the_interpreter_shortcuts_give_tritons_answers():
+    """gradq spares Triton's interpreter two repeated costs (gradq.kernels.triton_common): library
+    calls re-patching triton.language while it is patched already, and its dtype table rebuilt at
+    every use. Library calls in a kernel, across launches and beside a launch of a kernel that calls
+    none, must still compute what torch does, and the table must answer as NumPy's types say."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from gradq.kernels import triton_common as C
+
+    assert type(tl.sum) is type(tl.cumsum) is type(tl.randint4x) is C._LibraryCall
+
+    @triton.jit
+    def sums(x_ptr, out_ptr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        tl.store(out_ptr + tl.arange(0, N), tl.cumsum(x, 0) + tl.sum(x, 0) + tl.max(x, 0))
+
+    @triton.jit
+    def plain(x_ptr, out_ptr, N: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, N), tl.load(x_ptr + tl.arange(0, N)) * 2)
+
+    for seed in range(3):
+        x = torch.randint(-50, 50, (16,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        out = torch.empty_like(x)
+        sums[(1,)](x, out, N=16)
+        assert torch.equal(out, torch.cumsum(x, 0, dtype=torch.int32) + x.sum(dtype=torch.int32) + x.max())
+        plain[(1,)](x, out, N=16)
+        assert torch.equal(out, x * 2)
+
+    get = interpreter._get_np_dtype
+    for name, want in [("int1", bool), ("float16", np.float16), ("float32", np.float32), ("float64", np.float64),
+                       ("int8", np.int8), ("uint8", np.uint8), ("int16", np.int16), ("uint16", np.uint16),
+                       ("int32", np.int32), ("uint32", np.uint32), ("int64", np.int64), ("uint64", np.uint64),
+                       ("bfloat16", np.uint16), ("float8e5", np.uint8), ("float8e4nv", np.uint8)]:
+        ty = getattr(tl, name)
+        assert get(ty) == np.dtype(want) and get(tl.block_type(ty, [8])) == np.dtype(want), name
+    assert get(tl.pointer_type(tl.float32)) == get(tl.block_type(tl.pointer_type(tl.int8), [4])) == np.dtype(np.uint64)
+    with pytest.raises(KeyError):
+        get(tl.void)
+
+
 @pytest.fixture
 def triton_backend():
     was = kernels.get_backend()
