@@ -7,7 +7,7 @@ with ``pytest --full`` or ``GRADQ_FULL_TESTS=1``; the default suite stays within
 cores. :func:`gradq_testing.grid` builds such parameter lists.
 
 **Order, and the numba cache.** The tests of Triton's interpreter (``tests/kernels/test_triton_*.py``)
-run first. They are single-threaded Python. When the run is large (the whole suite) and numba's
+run first. They are single-threaded Python; the compile test among them (two processes) goes last. When the run is large (the whole suite) and numba's
 cache holds no gradq kernels yet (a fresh clone in CI, or an edited kernel file), a background
 ``gradq compile`` (:mod:`gradq.precompile`) compiles every scheme's CPU kernels on the other core meanwhile. The
 tests after them then load those kernels instead of compiling them one test at a time, and ranks
@@ -71,8 +71,16 @@ def _interpreted(item) -> bool:
     return path.parent.name == "kernels" and path.name.startswith("test_triton_")
 
 
+def _order(item) -> int:
+    """Interpreter tests first; then the sm_90 compile test, whose two compiling processes would
+    share the cores with the background compile if it ran first; then the rest."""
+    if not _interpreted(item):
+        return 2
+    return 1 if Path(str(item.fspath)).name == "test_triton_compile.py" else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not _interpreted(item))  # stable: the files keep their order within each
+    items.sort(key=_order)  # stable: the files keep their order within each group
     if _full(config):
         return
     skip = pytest.mark.skip(reason="exhaustive case: run with --full (or GRADQ_FULL_TESTS=1)")
