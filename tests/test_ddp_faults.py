@@ -235,48 +235,39 @@ def test_backend_failures_are_described():
 
 
 # -- damaged bytes inside a protocol ----------------------------------------------------------------
-def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str, spec: str = "qsgd:bits=4",
-                 checksum: bool = True) -> None:
-    """Rank 1 damages one payload at step 3: for the scatter protocol the bytes it SENDS (rank 0's
-    chunk; rank 0 detects it), for the all-gather protocol the bytes it RECEIVED (it detects it itself).
-    Either way every rank must refuse step 3 alike; writes ``rank{r}.json``. Without checksums (as on
-    a GPU) the damaged byte is set to 0xFF, which a 2-bit TernGrad payload holds as four codes of 3,
+#: The damage cases, run one after another by the same two ranks (one launch: starting ranks costs
+#: more than a case): (strategy, nan_policy, spec, checksum). A refused step ends its case on every
+#: rank alike, so the group stays healthy for the next; the cases are independent (new model, new
+#: hook, damage only at their own step 3).
+DAMAGE_CASES = {
+    "refused-scatter-send": ("scatter", "raise", "qsgd:bits=4", True),
+    "refused-allgather-recv": ("allgather", "raise", "qsgd:bits=4", True),
+    "skipped-scatter-send": ("scatter", "skip", "qsgd:bits=4", True),
+    "skipped-allgather-recv": ("allgather", "skip", "qsgd:bits=4", True),
+    "codes-scatter-send-raise": ("scatter", "raise", "terngrad:pack=2bit", False),
+    "codes-allgather-recv-skip": ("allgather", "skip", "terngrad:pack=2bit", False),
+}
+
+
+def _damage_case(rank: int, case: dict, strategy: str, policy: str, spec: str, checksum: bool) -> dict:
+    """One case: rank 1 damages one payload at step 3, for the scatter protocol in the bytes it SENDS
+    (rank 0's chunk; rank 0 detects it), for the all-gather protocol in the bytes it RECEIVED (it
+    detects it itself). Either way every rank must refuse step 3 alike. Without checksums (as on a
+    GPU) the damaged byte is set to 0xFF, which a 2-bit TernGrad payload holds as four codes of 3,
     which no encode writes: the decode finds them."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradq
-    import gradq_testing
-    from gradq.comm import allgather as allgather_mod
-    from gradq.comm import scatter as scatter_mod
     from test_ddp import all_equal, backward, net, params
 
-    torch.set_num_threads(1)
-    gradq_testing.init_gloo(tmp, rank, world)
     model = DDP(net(), bucket_cap_mb=0.02)
     state = gradq.register(model, spec, strategy, min_numel=1000, nan_policy=policy, timeout=30, checksum=checksum)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = [0]
-    if rank == 1:
-        exchange, gather = scatter_mod._exchange, allgather_mod.all_gather_bytes
-
-        def bad_exchange(send, *a, **k):
-            if step[0] == 3:
-                send = send.clone()
-                # inside the first payload (rank 0's chunk), past its header
-                send[40] = send[40] ^ 0x5A if checksum else 0xFF
-            return exchange(send, *a, **k)
-
-        def bad_gather(*a, **k):
-            got = gather(*a, **k)
-            if step[0] == 3:
-                got[0] = got[0].clone()
-                got[0][-7] = got[0][-7] ^ 0x01 if checksum else 0xFF  # near the end of rank 0's payload (its codes)
-            return got
-        scatter_mod._exchange, allgather_mod.all_gather_bytes = bad_exchange, bad_gather
+    case.update(mode="ddp", checksum=checksum)
     res: dict = {"rank": rank, "skipped": [], "same": [], "error": None}
     for s in range(6):
-        step[0] = s
+        case["step"] = s
         before = params(model)
         opt.zero_grad()
         try:
@@ -291,30 +282,89 @@ def _damage_main(tmp: str, rank: int, world: int, strategy: str, policy: str, sp
             opt.step()
         res["same"].append(all_equal(model))
     res["skipped_steps"] = state.skipped_steps
-    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
-    # every rank refused the same step, so the group is healthy: tear down as always (skipping this
+    case["mode"] = None
+    return res
+
+
+def _allreduce_case(rank: int, case: dict) -> dict:
+    """``gradq.allreduce_`` on two tensors; rank 1 damages the payload it sends in the second call."""
+    import torch
+
+    import gradq
+
+    case.update(mode="allreduce", calls=0)
+    g = torch.Generator().manual_seed(rank)
+    ts = [torch.randn(5000, generator=g), torch.randn(3000, generator=g)]
+    try:
+        gradq.allreduce_(ts, "qsgd:bits=4", protocol="scatter", seed=1)
+        res = {"error": None}
+    except gradq.PayloadError as exc:
+        res = {"error": str(exc)}
+    case["mode"] = None
+    return res
+
+
+def _damage_main(tmp: str, rank: int, world: int) -> None:
+    """Body of one rank: every case of :data:`DAMAGE_CASES`, then the all-reduce's; writes
+    ``rank{r}.json`` (a mapping from case to what happened) before tearing down."""
+    import torch
+
+    import gradq_testing
+    from gradq.comm import allgather as allgather_mod
+    from gradq.comm import scatter as scatter_mod
+
+    torch.set_num_threads(1)
+    gradq_testing.init_gloo(tmp, rank, world)
+    case: dict = {"mode": None}
+    if rank == 1:
+        exchange, gather = scatter_mod._exchange, allgather_mod.all_gather_bytes
+
+        def bad_exchange(send, *a, **k):
+            if case["mode"] == "ddp" and case["step"] == 3:
+                send = send.clone()
+                # inside the first payload (rank 0's chunk), past its header
+                send[40] = send[40] ^ 0x5A if case["checksum"] else 0xFF
+            elif case["mode"] == "allreduce":
+                case["calls"] += 1
+                if case["calls"] == 2:
+                    send = send.clone()
+                    send[-1] ^= 0xFF  # the last byte: rank 1's own chunk's trailer
+                    send[40] ^= 0xFF
+            return exchange(send, *a, **k)
+
+        def bad_gather(*a, **k):
+            got = gather(*a, **k)
+            if case["mode"] == "ddp" and case["step"] == 3:
+                got[0] = got[0].clone()
+                # near the end of rank 0's payload (its codes)
+                got[0][-7] = got[0][-7] ^ 0x01 if case["checksum"] else 0xFF
+            return got
+        scatter_mod._exchange, allgather_mod.all_gather_bytes = bad_exchange, bad_gather
+    out = {name: _damage_case(rank, case, *args) for name, args in DAMAGE_CASES.items()}
+    out["allreduce"] = _allreduce_case(rank, case)
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
+    # every rank refused the same steps, so the group is healthy: tear down as always (skipping this
     # leaves gloo's threads alive at exit, the abort gradq.comm.lifecycle explains)
-    del model, state, opt
     gradq_testing.teardown()
 
 
-def _run_damage(tmp: Path, world: int, strategy: str, policy: str, spec: str = "qsgd:bits=4",
-                checksum: bool = True) -> list[dict]:
-    env = _env()
-    code = ("import sys, test_ddp_faults as t; "
-            "t._damage_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], "
-            "sys.argv[7] == '1')")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r), str(world), strategy, policy, spec,
-                               str(int(checksum))], env=env, stderr=subprocess.PIPE, text=True) for r in range(world)]
+@pytest.fixture(scope="module")
+def damage(tmp_path_factory) -> dict:
+    """What each rank saw in each damage case: ``damage[case][rank]``."""
+    tmp = tmp_path_factory.mktemp("damage")
+    code = "import sys, test_ddp_faults as t; t._damage_main(sys.argv[1], int(sys.argv[2]), 2)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(r)], env=_env(), stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
 
 
 @pytest.mark.parametrize("strategy", ["scatter", "allgather"], ids=["scatter-send", "allgather-recv"])
-def test_damaged_payload_is_refused_on_every_rank(tmp_path, strategy):
-    res = _run_damage(tmp_path, 2, strategy, "raise")
+def test_damaged_payload_is_refused_on_every_rank(damage, strategy):
+    res = damage[f"refused-{strategy}-{'send' if strategy == 'scatter' else 'recv'}"]
     for r in res:  # every rank raises at step 3, before its optimizer could apply anything
         assert r["error_step"] == 3, r
         assert "arrived damaged (CRC-32 mismatch" in r["error"] and "refused on every rank" in r["error"], r
@@ -324,23 +374,22 @@ def test_damaged_payload_is_refused_on_every_rank(tmp_path, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["scatter", "allgather"], ids=["scatter-send", "allgather-recv"])
-def test_damaged_payload_is_skipped_on_every_rank(tmp_path, strategy):
-    res = _run_damage(tmp_path, 2, strategy, "skip")
+def test_damaged_payload_is_skipped_on_every_rank(damage, strategy):
+    res = damage[f"skipped-{strategy}-{'send' if strategy == 'scatter' else 'recv'}"]
     for r in res:
         assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
         assert r["unchanged"] == [True], r  # zero gradients, no optimizer step
         assert len(r["same"]) == 6 and all(r["same"]), r  # replicas identical at every step, before and after
 
 
-@pytest.mark.parametrize("strategy,policy", [("scatter", "raise"), ("allgather", "skip")],
-                         ids=["scatter-send-raise", "allgather-recv-skip"])
-def test_codes_no_encode_writes_are_refused_on_every_rank_without_checksums(tmp_path, strategy, policy):
+@pytest.mark.parametrize("name", ["codes-scatter-send-raise", "codes-allgather-recv-skip"])
+def test_codes_no_encode_writes_are_refused_on_every_rank_without_checksums(damage, name):
     """Without checksums (the default on a GPU, where payloads carry no CRC) a damaged payload whose
     codes no encode writes is found by its decode, which counts it instead of raising on its rank
     alone (gradq.kernels.deferred_checks); the count rides in the step's agreement, so every rank
     refuses (or skips) the same step and none waits for a peer that left."""
-    res = _run_damage(tmp_path, 2, strategy, policy, "terngrad:pack=2bit", checksum=False)
-    for r in res:
+    policy = DAMAGE_CASES[name][1]
+    for r in damage[name]:
         if policy == "raise":
             assert r["error_step"] == 3, r
             assert "corrupt codes" in r["error"] and "refused on every rank" in r["error"], r
@@ -348,6 +397,13 @@ def test_codes_no_encode_writes_are_refused_on_every_rank_without_checksums(tmp_
             assert r["error"] is None and r["skipped"] == [3] and r["skipped_steps"] == 1, r
             assert r["unchanged"] == [True] and len(r["same"]) == 6, r
         assert all(r["same"]), r
+
+
+def test_allreduce_refuses_a_damaged_average_on_every_rank(damage):
+    res = damage["allreduce"]
+    for r in res:
+        assert r["error"] and "refused on every rank" in r["error"], res
+    assert "'1'" in res[0]["error"] and "on this rank" in res[0]["error"]  # rank 0 saw tensor "1"'s damage
 
 
 def test_checksum_trailer_catches_every_single_byte_change():
@@ -366,50 +422,3 @@ def test_checksum_trailer_catches_every_single_byte_change():
         assert not unseal(bad, SEAL_BYTES)[1], i
     assert not unseal(buf[:3], SEAL_BYTES)[1]  # shorter than a trailer
     assert unseal(buf, 0) == (buf, True)  # no trailer: nothing checked
-
-
-def _allreduce_damage_main(tmp: str, rank: int, world: int) -> None:
-    """``gradq.allreduce_`` on two tensors; rank 1 damages the payload it sends in the second call."""
-    import torch
-
-    import gradq
-    import gradq_testing
-    from gradq.comm import scatter as scatter_mod
-
-    torch.set_num_threads(1)
-    gradq_testing.init_gloo(tmp, rank, world)
-    calls = [0]
-    if rank == 1:
-        exchange = scatter_mod._exchange
-
-        def bad_exchange(send, *a, **k):
-            calls[0] += 1
-            if calls[0] == 2:
-                send = send.clone()
-                send[-1] ^= 0xFF  # the last byte: rank 1's own chunk's trailer
-                send[40] ^= 0xFF
-            return exchange(send, *a, **k)
-        scatter_mod._exchange = bad_exchange
-    g = torch.Generator().manual_seed(rank)
-    ts = [torch.randn(5000, generator=g), torch.randn(3000, generator=g)]
-    try:
-        gradq.allreduce_(ts, "qsgd:bits=4", protocol="scatter", seed=1)
-        res = {"error": None}
-    except gradq.PayloadError as exc:
-        res = {"error": str(exc)}
-    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(res))
-    gradq_testing.teardown()
-
-
-def test_allreduce_refuses_a_damaged_average_on_every_rank(tmp_path):
-    env = _env()
-    code = "import sys, test_ddp_faults as t; t._allreduce_damage_main(sys.argv[1], int(sys.argv[2]), 2)"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(r)], env=env, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in res:
-        assert r["error"] and "refused on every rank" in r["error"], res
-    assert "'1'" in res[0]["error"] and "on this rank" in res[0]["error"]  # rank 0 saw tensor "1"'s damage
