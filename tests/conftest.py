@@ -7,7 +7,7 @@ with ``pytest --full`` or ``GRADQ_FULL_TESTS=1``; the default suite stays within
 cores. :func:`gradq_testing.grid` builds such parameter lists.
 
 **Order, and the numba cache.** The tests of Triton's interpreter (``tests/kernels/test_triton_*.py``)
-run first. They are single-threaded Python; the compile test among them (two processes) goes last. When the run is large (the whole suite) and numba's
+run first. They are single-threaded Python; the Elias and compile tests go last among them. When the run is large (the whole suite) and numba's
 cache holds no gradq kernels yet (a fresh clone in CI, or an edited kernel file), a background
 ``gradq compile`` (:mod:`gradq.precompile`) compiles every scheme's CPU kernels on the other core meanwhile. The
 tests after them then load those kernels instead of compiling them one test at a time, and ranks
@@ -71,12 +71,21 @@ def _interpreted(item) -> bool:
     return path.parent.name == "kernels" and path.name.startswith("test_triton_")
 
 
-def _order(item) -> int:
-    """Interpreter tests first; then the sm_90 compile test, whose two compiling processes would
-    share the cores with the background compile if it ran first; then the rest."""
+#: the interpreter test files that run last among them: the Elias tests compare with the CPU codec,
+#: whose numba kernels the background compile has built by then (it takes that spec second); the
+#: sm_90 compile test runs two compiling processes, which would share the cores with the background
+#: compile if they ran first
+_INTERPRETED_LAST = ("test_triton_elias.py", "test_triton_compile.py")
+#: the background compile's order: the specs the early tests need first
+_PRECOMPILE_FIRST = ("qsgd:bits=4", "qsgd:bits=4,coding=elias")
+
+
+def _order(item) -> tuple[int, int]:
+    """Interpreter tests first, those of :data:`_INTERPRETED_LAST` last among them; then the rest."""
     if not _interpreted(item):
-        return 2
-    return 1 if Path(str(item.fspath)).name == "test_triton_compile.py" else 0
+        return (2, 0)
+    name = Path(str(item.fspath)).name
+    return (1, _INTERPRETED_LAST.index(name)) if name in _INTERPRETED_LAST else (0, 0)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -115,8 +124,12 @@ def pytest_collection_finish(session):
     if (os.environ.get("GRADQ_TEST_PRECOMPILE", "1").strip() == "0" or os.environ.get("PYTEST_XDIST_WORKER")
             or len(session.items) < _PRECOMPILE_MIN_TESTS or not _cold_numba_cache()):
         return
+    from gradq.precompile import SPECS
+
+    order = [*_PRECOMPILE_FIRST, *(s for s in SPECS if s not in _PRECOMPILE_FIRST)]
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    _background.append(subprocess.Popen([sys.executable, "-m", "gradq.cli", "compile"], env=env,
+    args = [a for spec in order for a in ("-c", spec)]
+    _background.append(subprocess.Popen([sys.executable, "-m", "gradq.cli", "compile", *args], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
