@@ -7,11 +7,12 @@ with ``pytest --full`` or ``GRADQ_FULL_TESTS=1``; the default suite stays within
 cores. :func:`gradq_testing.grid` builds such parameter lists.
 
 **Order, and the numba cache.** The tests of Triton's interpreter (``tests/kernels/test_triton_*.py``)
-run first. They are single-threaded Python; the Elias and compile tests go last among them. When the run is large (the whole suite) and numba's
-cache holds no gradq kernels yet (a fresh clone in CI, or an edited kernel file), a background
-``gradq compile`` (:mod:`gradq.precompile`) compiles every scheme's CPU kernels on the other core meanwhile. The
-tests after them then load those kernels instead of compiling them one test at a time, and ranks
-started together no longer each compile the same ones. ``GRADQ_TEST_PRECOMPILE=0`` turns that off.
+run first, the Elias and compile tests last among them. They are single-threaded Python. When the
+run is large (the whole suite) and numba's cache holds no gradq kernels yet (a fresh clone in CI, or
+an edited kernel file), a background ``gradq compile`` (:mod:`gradq.precompile`) compiles every
+scheme's CPU kernels on the other core meanwhile. The tests after them then load those kernels
+instead of compiling them one test at a time, and ranks started together no longer each compile the
+same ones. ``GRADQ_TEST_PRECOMPILE=0`` turns that off.
 
 One profile, "gradq", is registered and loaded for the whole suite. Another registered profile can be
 chosen with the environment variable GRADQ_HYPOTHESIS_PROFILE (for example hypothesis's built-in
