@@ -85,15 +85,11 @@ else:
                 except Exception as e:
                     raise _InterpreterError(repr(e)) from e
 
-        def _langs(fn) -> tuple:
-            """The language modules that Triton's ``_patch_lang`` patches for ``fn``."""
-            return tuple(v for v in fn.__globals__.values() if v is tl or v is tl.core)
-
         class _LibraryCall(_Interpreted):
+            _gradq_langs: tuple = ()  # the language modules Triton's ``_patch_lang`` patches for it
+
             def __call__(self, *args, **kwargs):
-                langs = self.__dict__.get("_gradq_langs")
-                if langs is None:
-                    langs = self._gradq_langs = _langs(self.fn)
+                langs = self._gradq_langs
                 if not langs or any(tl.core.is_builtin(lang.full) for lang in langs):
                     _interpreter._patch_lang(self.fn)
                 fn = self.rewrite()
@@ -107,13 +103,12 @@ else:
                 for _f in list(vars(_mod).values()):
                     if type(_f) is _Interpreted:
                         _f.__class__ = _LibraryCall
+                        _f._gradq_langs = tuple(v for v in _f.fn.__globals__.values() if v is tl or v is tl.core)
 
 # The interpreter also rebuilds its table of dtypes at every use (a tenth of its time in the
 # tests). The same table, built once, gives the same answers: checked here for every entry.
 if INTERPRETED and _Interpreted is not None and callable(getattr(_interpreter, "_get_np_dtype", None)):
     def _np_dtype_table(lookup):
-        import numpy as np
-
         names = ("int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
                  "int64", "uint64", "bfloat16", "float8e5", "float8e5b16", "float8e4nv", "float8e4b8",
                  "float8e4b15")
@@ -131,9 +126,7 @@ if INTERPRETED and _Interpreted is not None and callable(getattr(_interpreter, "
 
         probes = [*table, tl.pointer_type(tl.int8), tl.block_type(tl.float32, [4]),
                   tl.block_type(tl.pointer_type(tl.uint8), [4])]
-        if all(get(t) == lookup(t) for t in probes) and pointer == np.dtype(np.uint64):
-            return get
-        return lookup
+        return get if all(get(t) == lookup(t) for t in probes) else lookup
 
     _interpreter._get_np_dtype = _np_dtype_table(_interpreter._get_np_dtype)
 
