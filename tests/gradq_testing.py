@@ -76,6 +76,27 @@ def ref_omega(k: int) -> str:
     return out
 
 
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with ``OMP_NUM_THREADS=1`` in the children's
+    environment, as torchrun sets it for several processes per node. A child that sets it itself does
+    so after importing gradq, too late for numba's pool, which is sized when gradq loads it: each rank
+    then ran a pool as wide as the machine, and on two cores the ranks' pools spun against each other
+    (a protocol's decode of a few hundred values took 12 ms instead of 0.04 ms with 4 ranks)."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
 def init_gloo(tmp: str, rank: int, world: int, **kw) -> None:
     """Start a gloo group for a spawned test rank (file rendezvous in ``tmp``: no ports), in the order
     gradq needs for a clean exit (``torch._dynamo`` loaded first; see gradq.comm.lifecycle)."""

@@ -9,7 +9,6 @@ import gradq_testing
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradq
@@ -220,7 +219,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def outs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("adaptive"))
-    mp.spawn(_child, args=(2, tmp), nprocs=2, join=True)
+    gradq_testing.spawn_ranks(_child, (2, tmp), 2)
     return [torch.load(f"{tmp}/out{r}.pt") for r in range(2)]
 
 

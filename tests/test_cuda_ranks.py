@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -189,8 +188,10 @@ def _fsdp_child(rank: int, world: int, tmp: str) -> None:
 
 
 def _run(fn, tmp, world: int = WORLD, *extra) -> list[dict]:
+    from gradq_testing import spawn_ranks
+
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.spawn(fn, args=(world, str(tmp), *extra), nprocs=world, join=True)
+    spawn_ranks(fn, (world, str(tmp), *extra), world)
     name = fn.__name__.strip("_").replace("_child", "")
     return [json.load(open(f"{tmp}/{name}{r}.json")) for r in range(world)]
 

@@ -9,14 +9,12 @@ draws different data (seed depends on the rank).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 
 import pytest
 import gradq_testing
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradq
@@ -108,8 +106,6 @@ def resume_run(spec: str, kw: dict, rank: int, split: int, total: int):
 
 
 def _child(rank: int, world: int, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
 
@@ -284,7 +280,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def outs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ddp"))
-    mp.spawn(_child, args=(2, tmp), nprocs=2, join=True)
+    gradq_testing.spawn_ranks(_child, (2, tmp), 2)
     return [torch.load(f"{tmp}/out{r}.pt") for r in range(2)]
 
 

@@ -30,11 +30,8 @@ with more) and ``terngrad`` (integer all-reduce, one shared exchange per group).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import gradq_testing
 from gradq.ddp import GradqState, gradq_hook
@@ -137,8 +134,6 @@ def run(spec: str, nan_param: str, inf_param: str, rank: int) -> dict:
 
 
 def _child(rank: int, world: int, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     gradq_testing.init_gloo(tmp, rank, world)
     res = {run_id: run(*run_id, rank) for run_id in RUNS}
     torch.save(res, f"{tmp}/out{rank}.pt")
@@ -149,7 +144,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
 def outs(request, tmp_path_factory):
     world = request.param
     tmp = str(tmp_path_factory.mktemp(f"storm{world}"))
-    mp.spawn(_child, args=(world, tmp), nprocs=world, join=True)
+    gradq_testing.spawn_ranks(_child, (world, tmp), world)
     return [torch.load(f"{tmp}/out{r}.pt") for r in range(world)]
 
 

@@ -7,13 +7,9 @@ pipelined segments of the scatter protocol inside the hook, and checkpoint → r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import gradq_testing
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradq
@@ -32,8 +28,6 @@ def ddp(**kw) -> DDP:
 
 
 def _child(rank: int, world: int, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
 
@@ -100,7 +94,7 @@ def _child(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def outs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ddp4"))
-    mp.spawn(_child, args=(WORLD, tmp), nprocs=WORLD, join=True)
+    gradq_testing.spawn_ranks(_child, (WORLD, tmp), WORLD)
     return [torch.load(f"{tmp}/out{r}.pt") for r in range(WORLD)]
 
 

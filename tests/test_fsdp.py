@@ -10,12 +10,11 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gradq
 from gradq.fsdp import GradqReduceScatter, is_fsdp2
 from gradq.netem import EmulatedNetwork, can_emulate, launch
-from gradq_testing import init_gloo, teardown
+from gradq_testing import init_gloo, spawn_ranks, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -291,7 +290,7 @@ def _child(rank: int, world: int, tmp: str, cases: list[str]) -> None:
 
 def _spawn(cases: list[str], world: int) -> dict:
     tmp = tempfile.mkdtemp()
-    mp.spawn(_child, args=(world, tmp, cases), nprocs=world, join=True)
+    spawn_ranks(_child, (world, tmp, cases), world)
     with open(f"{tmp}/out.json") as f:
         return json.load(f)
 

@@ -7,13 +7,9 @@ rank got identical bytes and recomputes the expected result in one process from 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import gradq_testing
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gradq
 from gradq.comm.api import average, choose_protocol
@@ -54,8 +50,6 @@ def _key(proto, spec, n, kw):
 
 
 def _child(rank: int, world: int, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     gradq_testing.init_gloo(tmp, rank, world)
     fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
            "allreduce": shared_scale_allreduce}
@@ -237,7 +231,7 @@ def expect_allreduce(spec, n, world):
 def run(request, tmp_path_factory):
     world = request.param
     tmp = str(tmp_path_factory.mktemp(f"w{world}"))
-    mp.spawn(_child, args=(world, tmp), nprocs=world, join=True)
+    gradq_testing.spawn_ranks(_child, (world, tmp), world)
     return world, [torch.load(f"{tmp}/out{r}.pt") for r in range(world)]
 
 
