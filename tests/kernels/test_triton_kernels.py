@@ -103,6 +103,40 @@ def test_the_interpreter_shortcuts_give_tritons_answers():
         get(tl.void)
 
 
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+def test_the_interpreter_builds_no_overflow_check_that_debug_mode_would_drop():
+    """Outside debug mode the interpreter's integer overflow checks end in an assert that is never
+    kept, so gradq's set-up turns them off (gradq.kernels.triton_common). Integer arithmetic that
+    wraps around must give the same answer as with the checks built, and torch's int32 answer."""
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    assert builder.options.debug is False and builder.options.sanitize_overflow is False
+
+    @triton.jit
+    def wraps(x_ptr, out_ptr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        tl.store(out_ptr + tl.arange(0, N), (x * -1640531535 + 2147483000) - (x * x - 7))
+
+    x = torch.randint(-2 ** 31, 2 ** 31 - 1, (64,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    want = (x * -1640531535 + 2147483000) - (x * x - 7)       # torch's int32 arithmetic wraps around too
+    out = torch.empty_like(x)
+    wraps[(1,)](x, out, N=64)
+    assert torch.equal(out, want)
+    shipped = builder.options
+    builder.options = dataclasses.replace(shipped, sanitize_overflow=True)
+    try:
+        checked = torch.empty_like(x)
+        wraps[(1,)](x, checked, N=64)
+    finally:
+        builder.options = shipped
+    assert torch.equal(checked, want)
+
+
 @pytest.fixture
 def triton_backend():
     was = kernels.get_backend()

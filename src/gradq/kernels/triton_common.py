@@ -130,6 +130,20 @@ if INTERPRETED and _Interpreted is not None and callable(getattr(_interpreter, "
 
     _interpreter._get_np_dtype = _np_dtype_table(_interpreter._get_np_dtype)
 
+# Every integer +, − and × of 32 bits or fewer builds an overflow check beside it (the operands widened
+# to int64, the operation again, two comparisons), and hands it to ``device_assert``, which keeps it
+# only in debug mode. The interpreter's options are not in debug mode, so each check is computed over
+# every lane and then dropped: about half of a hashing kernel's time under the interpreter. Its
+# options skip the check while debug mode is off; the results cannot differ, the check having no
+# other effect.
+if INTERPRETED and _Interpreted is not None:
+    _builder = getattr(_interpreter, "interpreter_builder", None)
+    _opts = getattr(_builder, "options", None)
+    if getattr(_opts, "debug", True) is False and getattr(_opts, "sanitize_overflow", False) is True:
+        import dataclasses
+
+        _builder.options = dataclasses.replace(_opts, sanitize_overflow=False)
+
 
 #: Launch shapes: how much work a program takes and how many warps run it. None of them changes a
 #: result (every value's randomness is its own counter, every bucket is folded whole by one
