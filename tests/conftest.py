@@ -10,8 +10,8 @@ cores. :func:`gradq_testing.grid` builds such parameter lists.
 run first, the Elias and compile tests last among them. They are single-threaded Python. When the
 run is large (the whole suite) and numba's cache holds no gradq kernels yet (a fresh clone in CI, or
 an edited kernel file), a background ``gradq compile`` (:mod:`gradq.precompile`) compiles every
-scheme's CPU kernels on the other core meanwhile. The first test after them waits for it to finish
-(5 minutes at most), and the tests then load those kernels instead of compiling them one test at a time, and ranks started together no longer each compile the
+scheme's CPU kernels on the other core meanwhile. The tests after them then load those kernels
+instead of compiling them one test at a time, and ranks started together no longer each compile the
 same ones. ``GRADQ_TEST_PRECOMPILE=0`` turns that off.
 
 One profile, "gradq", is registered and loaded for the whole suite. Another registered profile can be
@@ -132,27 +132,6 @@ def pytest_collection_finish(session):
     args = [a for spec in order for a in ("-c", spec)]
     _background.append(subprocess.Popen([sys.executable, "-m", "gradq.cli", "compile", *args], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-
-
-#: the longest wait for the background compile before the first test that is not an interpreter test
-_PRECOMPILE_WAIT_S = 300
-_waited: list[bool] = []
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """Before the first test after the interpreter tests, let the background compile finish: a
-    test that needs a kernel it has not built yet would compile the same kernel again, in its own
-    process or in each of its ranks. (A compile that takes too long is left running; the tests then
-    compile what they need.)"""
-    if _waited or not _background or _order(item)[0] < 2:
-        return
-    _waited.append(True)
-    for p in _background:
-        try:
-            p.wait(timeout=_PRECOMPILE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def pytest_sessionfinish(session, exitstatus):
