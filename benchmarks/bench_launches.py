@@ -57,7 +57,6 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 from gradq.kernels import triton_randk as RK  # noqa: E402
-from gradq.quantizers import base as QB  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
@@ -158,7 +157,7 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
     # triton_common's)
     mods = (C, T, B, D, L, MO, M, S, X, RK)
     reads = [0]
-    tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, QB._sum_is_finite
+    tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, K.sum_is_finite
 
     def reading(method):
         def read(self, *a, **kw):
@@ -170,14 +169,14 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
     for m in mods:
         m._launch = counting
     torch.Tensor.tolist, torch.Tensor.cpu = reading(tolist), reading(cpu)
-    QB._sum_is_finite = lambda t: math.isfinite(float(t.sum()))   # the CUDA branch
+    K.sum_is_finite = lambda t: math.isfinite(float(t.sum()))   # the CUDA branch
     try:
         with c:
             fn()
     finally:
         for m in mods:
             m._launch = real
-        torch.Tensor.tolist, torch.Tensor.cpu, QB._sum_is_finite = tolist, cpu, witness
+        torch.Tensor.tolist, torch.Tensor.cpu, K.sum_is_finite = tolist, cpu, witness
     torch_ops = sum(v for k, v in c.ops.items() if k not in NO_KERNEL | HOST_READ | FROM_HOST)
     host_reads = sum(v for k, v in c.ops.items() if k in HOST_READ | READ_TOO) + reads[0]
     return (launches[0], torch_ops, host_reads, sum(v for k, v in c.ops.items() if k in FROM_HOST), c.peak,

@@ -247,3 +247,35 @@ def test_header_bytes_are_built_once_per_layout():
     b = q.encode(torch.randn(300), seed=1).to_bytes()
     key = next(k for k in payload_mod._HEADERS if k[0] == q.spec and k[1] == 300)
     assert torch.equal(a[:payload_mod._HEADERS[key].numel()], b[:payload_mod._HEADERS[key].numel()])
+
+
+LAYOUT = {"codes": (torch.uint8, 11), "scales": (torch.float32, 3)}
+
+
+def _parse_where_it_lies(buf, layout=LAYOUT) -> Payload:
+    return Payload.parse(buf, names=NAMES, layout=layout, spec=SPEC, shape=SHAPE, dtype=torch.float32)
+
+
+def test_parse_views_a_device_buffer_by_its_layout_without_reading_it():
+    """A buffer off the host with a fixed layout is cut into views at the layout's offsets. A ``meta``
+    tensor holds no data at all, so any read of its header (or of anything) would raise here: the
+    parse reads nothing, as it must on a GPU, where a read is a synchronization."""
+    buf = torch.empty(_payload().nbytes, dtype=torch.uint8, device="meta")
+    p = _parse_where_it_lies(buf)
+    assert list(p.fields) == list(NAMES) and p.numel == 21 and p.shape == SHAPE
+    assert [(t.device.type, t.dtype, t.numel()) for t in p.fields.values()] == [
+        ("meta", torch.uint8, 11), ("meta", torch.float32, 3)]
+    with pytest.raises(gradq.PayloadError, match="needs 49"):
+        _parse_where_it_lies(torch.empty(48, dtype=torch.uint8, device="meta"))
+
+
+def test_parse_reads_host_bytes_and_unknown_layouts_with_their_header():
+    """Host bytes are parsed by their header even where the layout is known: a damaged header is
+    refused, and the fields are the payload's."""
+    good = _parse_where_it_lies(_payload().to_bytes())
+    assert good.same_bytes(_payload())
+    assert _parse_where_it_lies(_payload().to_bytes(), layout=None).same_bytes(_payload())
+    bad = bytearray(_raw())
+    bad[0] ^= 1
+    with pytest.raises(gradq.PayloadError):
+        _parse_where_it_lies(bytes(bad))

@@ -160,6 +160,17 @@ class Payload:
         return torch.cat(parts, out=out)
 
     @classmethod
+    def parse(cls, buf: torch.Tensor | bytes | bytearray, *, names: Sequence[str],
+              layout: Optional[Mapping[str, tuple[torch.dtype, int]]], spec: str, shape: Sequence[int],
+              dtype: torch.dtype, copy: bool = True) -> "Payload":
+        """Parse wire bytes where they lie: a buffer on a device whose fields have a fixed ``layout``
+        is viewed by :meth:`from_layout` (no header read on the host); anything else is read by
+        :meth:`from_bytes`, header and all (``names``: the fields in wire order)."""
+        if layout is not None and isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
+            return cls.from_layout(buf, layout, spec=spec, shape=shape, dtype=dtype)
+        return cls.from_bytes(buf, names=names, spec=spec, shape=shape, dtype=dtype, copy=copy)
+
+    @classmethod
     def from_layout(cls, buf: torch.Tensor, layout: Mapping[str, tuple[torch.dtype, int]], *, spec: str,
                     shape: Sequence[int], dtype: torch.dtype) -> "Payload":
         """Views of the fields of ``buf`` at the offsets a fixed ``layout`` (name → (dtype, count), in

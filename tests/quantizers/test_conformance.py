@@ -144,6 +144,21 @@ def test_bytes_round_trip_without_copy(spec):
             assert lo <= t.data_ptr() < hi
 
 
+@pytest.mark.parametrize("fixed_spec", [s for s in ALL_SPECS if gradq.build(s).field_layout(600) is not None])
+def test_bytes_on_a_device_parse_by_the_fixed_layout(fixed_spec):
+    """Wire bytes off the host parse without a header read where the layout is fixed (as the DDP hook
+    parses CUDA payloads); a ``meta`` buffer, which holds no data, proves that nothing is read. The
+    fields have the dtypes and counts of the host parse."""
+    q = _fresh(fixed_spec)
+    x = _data((12, 50), seed=2)
+    p = q.encode(x, seed=4)
+    back = q.payload_from_bytes(torch.empty(p.nbytes, dtype=torch.uint8, device="meta"), x.shape, x.dtype)
+    host = q.payload_from_bytes(p.to_bytes(), x.shape, x.dtype)
+    assert [(k, t.dtype, t.numel()) for k, t in back.fields.items()] == \
+        [(k, t.dtype, t.numel()) for k, t in host.fields.items()]
+    assert all(t.device.type == "meta" for t in back.fields.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_mean_is_the_loop(spec, dtype):
     """decode_mean = ((d0 + d1) + d2) / 3 in the payloads' dtype, bit for bit, for payloads parsed

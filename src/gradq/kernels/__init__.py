@@ -34,9 +34,11 @@ Threads: the numba kernels take this process's share of the cores (:func:`proces
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..random import RandomStream
@@ -52,7 +54,8 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
            "multiscale_decode", "random_subset", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
-           "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields", "crc32_field",
+           "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields",
+           "elias_encode", "elias_decode", "sum_is_finite", "crc32_field",
            "deferred_checks", "DeferredChecks"]
 
 RngLike = Union[RandomStream, int]
@@ -450,6 +453,59 @@ def elias_fields_stream(fields: torch.Tensor, s: int, layout: str = "auto") -> t
     from ..codecs.qsgd_stream_torch import encode_fields_stream_torch
 
     return encode_fields_stream_torch(fields, s, layout, index=True)
+
+
+def elias_encode(x: torch.Tensor, s: int, bucket: Optional[int], norm: str, rng: RngLike,
+                 layout: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """QSGD's codes of ``x`` with the ``norm`` (``"max"`` or ``"l2"``) of each ``bucket`` and
+    ``1 ≤ s ≤ 127`` levels, as an Elias stream: ``(stream, index, scales)`` on ``x``'s device.
+
+    The codes are the fixed-width encode's uint8 fields ``c + s`` (the same randomness, so the same
+    codes as a fixed-width payload of the seed), streamed by :func:`elias_fields_stream` without
+    widening them. On the CPU the fields go to this thread's reusable buffer
+    (:func:`gradq.codecs.qsgd_chunks.field_buffer`): they live only until they are streamed."""
+    if norm not in ("max", "l2"):
+        raise ValueError(f"norm must be 'max' or 'l2', got {norm!r}")
+    out = None
+    if x.device.type == "cpu":
+        from ..codecs.qsgd_chunks import field_buffer
+
+        out = field_buffer(x.numel())
+    fused = maxabs_uniform_encode if norm == "max" else l2_uniform_encode
+    fields, scales = fused(x, s, bucket, 8, rng, out=out)
+    stream, index = elias_fields_stream(fields, s, layout)
+    return stream, index, scales
+
+
+def elias_decode(stream: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor, s: int,
+                 bucket: Optional[int], n: int, out: torch.Tensor) -> torch.Tensor:
+    """Decode an Elias stream of ``n`` QSGD codes (``1 ≤ s ≤ 127``, per-bucket ``scales``) into
+    ``out`` and return it. The caller checks the stream's CRC first.
+
+    A float32 CPU ``out`` (with numba's or torch's kernels) is filled chunk by chunk, decoded and
+    dequantized in one go (:func:`gradq.codecs.qsgd_stream.decode_stream_values`), so no array of
+    fields as large as the input is made; elsewhere the fields are read by :func:`elias_stream_fields`
+    (on the device, with the Triton backend) and dequantized by :func:`uniform_decode`."""
+    if (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+            and scales.device.type == "cpu" and n > 0 and backend_for(out) != "triton"):
+        from ..codecs.qsgd_stream import decode_stream_values  # numba-compiled; loaded on first use
+
+        decode_stream_values(stream, n, s, index, scales, bucket, out.reshape(-1))
+        return out
+    uniform_decode(elias_stream_fields(stream, n, s, index).to(out.device), scales, s, bucket, 8, n, out=out)
+    return out
+
+
+def sum_is_finite(t: torch.Tensor) -> bool:
+    """Whether the sum of a small field (a value per bucket) is finite: one reduction and one host read.
+
+    A float32/float64 CPU field is summed by NumPy on the calling thread: a torch reduction of more
+    than 32K values there starts torch's OpenMP workers, which then spin on the cores that the next
+    call's kernels want."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous():
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflow is an answer here
+            return math.isfinite(float(t.detach().numpy().sum()))
+    return math.isfinite(float(t.sum()))
 
 
 # the RandK variants' primitives on their subset (their own module: the package stays one screen of

@@ -18,14 +18,12 @@ payload and restores shape, dtype and device.
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, NamedTuple, Optional, Sequence
 
-import numpy as np
 import torch
 
+from .. import kernels
 from ..errors import NonFiniteError, PayloadError, SpecError
 from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
 from ..random import RandomStream, resolve_seed
@@ -77,17 +75,6 @@ def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
         raise NonFiniteError(
             f"{label} holds {nan} NaN and {inf} Inf values out of {x.numel()}; "
             "gradq does not encode non-finite gradients (skip the step or fix the model)")
-
-
-def _sum_is_finite(t: torch.Tensor) -> bool:
-    """Whether the sum of a small field (a value per bucket) is finite. A float32/float64 CPU field is
-    summed by NumPy on the calling thread: a torch reduction of more than 32K values there starts
-    torch's OpenMP workers, which then spin on the cores that the next call's kernels want (about a
-    millisecond of a core per 4-bit encode of 25M values, in a profile of back-to-back encodes)."""
-    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous():
-        with np.errstate(over="ignore", invalid="ignore"):   # an overflow is an answer here
-            return math.isfinite(float(t.detach().numpy().sum()))
-    return math.isfinite(float(t.sum()))
 
 
 def _screen(x: torch.Tensor, name: Optional[str]) -> None:
@@ -265,7 +252,7 @@ class Quantizer:
             raise
         # one reduction of a small field and one host read: a NaN or Inf in the witness makes its sum
         # non-finite (finite values whose sum overflows only cost the exact screen, which then passes)
-        if read and not _sum_is_finite(fields[witness]):
+        if read and not kernels.sum_is_finite(fields[witness]):
             _screen(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
 
@@ -394,12 +381,8 @@ class Quantizer:
         numel = 1
         for s in shape:
             numel *= int(s)
-        if isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
-            layout = self.field_layout(numel)
-            if layout is not None:  # fixed width: fields at known offsets, no header read on the host
-                return Payload.from_layout(buf, layout, spec=self.spec, shape=shape, dtype=dtype)
-        p = Payload.from_bytes(buf, names=self.wire_fields(numel), spec=self.spec, shape=shape, dtype=dtype,
-                               copy=copy)
+        p = Payload.parse(buf, names=self.wire_fields(numel), layout=self.field_layout(numel), spec=self.spec,
+                          shape=shape, dtype=dtype, copy=copy)
         self._check_fields(p)
         return p
 

@@ -164,16 +164,9 @@ class QSGD(Quantizer):
             packed, scales = fused(v, self.s, self.bucket, self.width, ctx.rng)   # norm, quantize, pack per bucket
             return {"codes": packed, "scales": scales}
         if self.coding != "ans" and self.s <= 127:
-            # the codes as uint8 fields c + s from the fixed-width kernels (the same randomness),
-            # streamed without widening them: no input-sized temporaries
-            from ..codecs.qsgd_chunks import field_buffer
-
-            # on the CPU the fields go to this thread's buffer: they live only until they are streamed
-            out = field_buffer(v.numel()) if v.device.type == "cpu" else None
-            fused = kernels.maxabs_uniform_encode if self.norm == "max" else kernels.l2_uniform_encode
-            fields, scales = fused(v, self.s, self.bucket, 8, ctx.rng, out=out)   # norm and codes per bucket
-            # built where the fields are (the same bytes on every backend): the codes stay on the device
-            stream, index = kernels.elias_fields_stream(fields, self.s, _LAYOUT[self.coding])
+            # the fixed-width kernels' uint8 fields c + s (the same randomness), streamed without widening
+            stream, index, scales = kernels.elias_encode(v, self.s, self.bucket, self.norm, ctx.rng,
+                                                         _LAYOUT[self.coding])
             return self._stream_payload(stream, index, scales, v.device)
         mat = bucket_view(v, self.bucket)
         scales = bucket_norms(mat, self.norm)
@@ -200,17 +193,8 @@ class QSGD(Quantizer):
             return True
         if self.coding == "ans" or self.s > 127:
             return False
-        if (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
-                and fields["scales"].device.type == "cpu" and numel > 0 and kernels.backend_for(out) != "triton"):
-            # decoded and dequantized chunk by chunk: no field array of the input's size
-            from ..codecs.qsgd_stream import decode_stream_values
-
-            self._check_crc(fields, numel)
-            decode_stream_values(fields["stream"], numel, self.s, fields["index"], fields["scales"], self.bucket,
-                                 out.reshape(-1))
-            return True
-        kernels.uniform_decode(self._stream_fields(fields, numel).to(out.device), fields["scales"], self.s,
-                               self.bucket, 8, numel, out=out)
+        self._check_crc(fields, numel)
+        kernels.elias_decode(fields["stream"], fields["index"], fields["scales"], self.s, self.bucket, numel, out)
         return True
 
     def _stream_fields(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
