@@ -9,6 +9,8 @@ draws different data (seed depends on the rank).
 from __future__ import annotations
 
 import io
+import logging
+import os
 import pickle
 
 import pytest
@@ -105,9 +107,20 @@ def resume_run(spec: str, kw: dict, rank: int, split: int, total: int):
     return params(a), params(c), ck, st_b, st_c
 
 
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _child(rank: int, world: int, tmp: str) -> None:
     gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
+    shared = _Kept()   # what gradq.hostshare says about ranks sharing cores
+    logging.getLogger("gradq.hostshare").addHandler(shared)
 
     # 1. `none` through the hook == DDP without a hook (two steps: the second uses rebuilt buckets)
     plain, hooked = ddp(), ddp()
@@ -265,6 +278,17 @@ def _child(rank: int, world: int, tmp: str) -> None:
     except Exception as e:  # noqa: BLE001
         res["nan_raise"] = f"{type(e).__name__}: {e}"
 
+    # 7b. ranks sharing cores: no warning above, where each rank runs one thread (the spawn's
+    # OMP_NUM_THREADS=1); pools as wide as the machine in both ranks draw one warning, from rank 0
+    res["share_quiet"] = list(shared.messages)
+    res["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(res["cpus"])
+    m = ddp()
+    gradq.register(m, "qsgd:bits=4", **KW)
+    backward(m, rank, 0)
+    torch.set_num_threads(1)
+    res["share_wide"] = list(shared.messages)
+
     # 8. mismatched specs: both ranks raise, nobody hangs (last: the failed DDP is left unusable)
     m = ddp()
     gradq.register(m, "qsgd:bits=4" if rank == 0 else "qsgd:bits=2", **KW)
@@ -368,6 +392,14 @@ def test_nan_policies(outs):
 def test_mismatched_specs_fail_on_both_ranks(outs):
     for r in outs:
         assert r["mismatch"] is not None and "spec" in r["mismatch"] and "disagree" in r["mismatch"]
+
+
+def test_ranks_sharing_cores_are_warned_once_where_their_pools_oversubscribe(outs):
+    if outs[0]["cpus"] >= 2:   # (two one-thread ranks on one core are oversubscribed too)
+        assert outs[0]["share_quiet"] == [] and outs[1]["share_quiet"] == []
+    assert outs[1]["share_wide"] == []          # the lowest rank of a machine speaks for it
+    (msg,) = outs[0]["share_wide"]
+    assert "2 ranks share" in msg and "OMP_NUM_THREADS=" in msg
 
 
 def test_error_report_and_time_breakdown(outs):

@@ -76,6 +76,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from . import hostshare
 from .adaptive import FP32, AdaptiveController, max_over_ranks
 from .comm.api import choose_protocol
 from .comm._util import check_timeout, collective, time_limit
@@ -300,19 +301,25 @@ class GradqState:
                 "adaptive": None if self.adaptive is None else self.adaptive.settings()}
 
     def _check_consistency(self, device: torch.device) -> None:
-        """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches."""
+        """One MAX all-reduce of ``(h, −h)`` per setting (MAX and MIN at once); raise naming mismatches.
+        The same all-reduce tells every rank which ranks share its cores (:mod:`gradq.hostshare`), to warn
+        once where their thread pools oversubscribe them."""
         items = {**self.settings(), "step": self.step, "measure_error": self.measure_error, "checksum": self.checksum}
         keys = list(items)
         vals = [zlib.crc32(repr(items[k]).encode("utf-8")) for k in keys]
-        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=device)
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        t = torch.tensor(vals + [-v for v in vals] + hostshare.host_slots(rank, world), dtype=torch.int64,
+                         device=device)
         collective("the check that every rank registered the same settings", dist.all_reduce, t,
                    op=dist.ReduceOp.MAX, group=self.process_group)
-        hi, lo = t[: len(keys)].tolist(), [-v for v in t[len(keys):].tolist()]
+        got = t.tolist()
+        hi, lo = got[: len(keys)], [-v for v in got[len(keys): 2 * len(keys)]]
         bad = [k for i, k in enumerate(keys) if hi[i] != lo[i]]
         if bad:
             mine = ", ".join(f"{k}={items[k]!r}" for k in bad)
             raise ValueError(f"gradq_hook: ranks disagree on {', '.join(bad)} (this rank: {mine}); every rank "
                              "must register the same spec and settings (and resume from the same step)")
+        hostshare.warn_once(got[2 * len(keys):], rank, device)
         self._checked = True
 
     # -- checkpoints -------------------------------------------------------------------------------
