@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import tempfile
 from typing import Any, Optional
@@ -264,6 +266,33 @@ def _case_world4(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def _case_threads(rank: int, world: int, tmp: str) -> dict:
+    """Ranks sharing cores: the cases before ran one thread a rank (the spawn's OMP_NUM_THREADS=1) and
+    drew no warning; with torch's pool as wide as the machine in both ranks, a new reduce-scatter's
+    first call draws one, from rank 0 (the lowest rank of the machine)."""
+    quiet = list(_SHARED.messages)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(cpus)
+    try:
+        comm = GradqReduceScatter("qsgd:bits=4,bucket=64", seed=9)
+        comm(torch.empty(100), torch.randn(world * 100), dist.group.WORLD, dist.ReduceOp.AVG)
+    finally:
+        torch.set_num_threads(1)
+    return {"cpus": cpus, "quiet": quiet, "wide": list(_SHARED.messages)}
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+_SHARED = _Kept()   # what gradq.hostshare says in this rank
+
+
 CASES = {k[len("_case_"):]: v for k, v in globals().items() if k.startswith("_case_")}
 
 
@@ -274,6 +303,7 @@ def _child(rank: int, world: int, tmp: str, cases: list[str]) -> None:
     from datetime import timedelta
 
     init_gloo(tmp, rank, world, timeout=timedelta(seconds=180))   # a bug that strands a rank fails, not hangs
+    logging.getLogger("gradq.hostshare").addHandler(_SHARED)
     out: dict = {}
     try:
         for case in cases:
@@ -296,7 +326,7 @@ def _spawn(cases: list[str], world: int) -> dict:
 
 
 #: the 2-rank cases, run in one spawn by the module's fixture (the mismatch last: it fails on purpose)
-TWO_RANKS = ["fp32", "direct", "policy", "train", "nonfinite", "resume", "mismatch"]
+TWO_RANKS = ["fp32", "direct", "policy", "train", "nonfinite", "resume", "threads", "mismatch"]
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +402,14 @@ def test_checkpoint_and_resume_continue_exactly(two_ranks):
     out = _result(two_ranks, "resume")
     assert out["calls"] == 6 and out["steps"] == 3   # 3 steps x 2 FSDP modules holding parameters
     assert out["exact"] and out["forgot_differs"]
+
+
+def test_ranks_sharing_cores_are_warned_where_their_pools_oversubscribe(two_ranks):
+    r = _result(two_ranks, "threads")
+    if r["cpus"] >= 2:   # (two one-thread ranks on one core are oversubscribed too, and warned earlier)
+        assert r["quiet"] == []
+    (msg,) = r["wide"]
+    assert "2 ranks share" in msg and "OMP_NUM_THREADS=" in msg
 
 
 def test_mismatched_specs_or_settings_fail_at_the_first_reduce_scatter(two_ranks):

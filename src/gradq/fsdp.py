@@ -305,7 +305,7 @@ class GradqReduceScatter:
 
             st = repr(sorted(self.settings().items())).encode()
             check_inputs("GradqReduceScatter", input_tensor, self.quantizer, group,
-                         [zlib.crc32(st), self.calls, world])
+                         [zlib.crc32(st), self.calls, world], hosts=True)
             if self.intra_node is not None and self._local_group is not None:
                 if world != self._local_group.size() * self._cross_group.size():
                     raise ValueError(f"GradqReduceScatter: FSDP reduces over {world} ranks, the node groups were "

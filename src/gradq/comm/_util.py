@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from .. import hostshare
 from ..errors import CommunicationError, GradqError, PayloadError
 from ..kernels.checks import deferred_checks
 from ..payload import Payload
@@ -338,11 +339,12 @@ def raise_if_damaged(fn: str, info: dict, defer: bool) -> None:
 
 
 def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[int] = (),
-                 verify: bool = True) -> tuple[int, int]:
+                 verify: bool = True, hosts: bool = False) -> tuple[int, int]:
     """Validate ``x``/``q`` and check, with ONE small MAX all-reduce, that every rank passes the same
     number of coordinates, the same quantizer spec and the same ``extra`` integers (skipped with
-    ``verify=False``, for callers that checked once already, like the DDP hook).
-    Returns ``(rank, world_size)`` in ``group``."""
+    ``verify=False``, for callers that checked once already, like the DDP hook). With ``hosts`` the
+    all-reduce also finds the ranks that share this rank's cores (:mod:`gradq.hostshare`, for a
+    caller's first call). Returns ``(rank, world_size)`` in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialized (call init_process_group first)")
     if not isinstance(x, torch.Tensor):
@@ -355,15 +357,19 @@ def check_inputs(fn: str, x: torch.Tensor, q: Quantizer, group, extra: Sequence[
     if not verify:
         return rank, world
     vals = [x.numel(), zlib.crc32(q.spec.encode("utf-8")), *[int(e) for e in extra]]
-    t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64, device=x.device)
+    slots = hostshare.host_slots(rank, world) if hosts else []
+    t = torch.tensor(vals + [-v for v in vals] + slots, dtype=torch.int64, device=x.device)
     collective(f"{fn}'s check that every rank passes the same size and quantizer", dist.all_reduce, t,
                op=dist.ReduceOp.MAX, group=group)
-    hi, neg_lo = t[: len(vals)].tolist(), t[len(vals):].tolist()
+    got = t.tolist()
+    hi, neg_lo = got[: len(vals)], got[len(vals): 2 * len(vals)]
     what = ["numel", "quantizer spec", *[f"argument {i}" for i in range(len(extra))]]
     for i, w in enumerate(what):
         if hi[i] != -neg_lo[i]:
             raise ValueError(f"{fn}: ranks disagree on {w} (this rank: {vals[i]}, range over ranks "
                              f"{-neg_lo[i]}..{hi[i]}); every rank must pass the same size and quantizer")
+    if hosts:
+        hostshare.warn_once(got[2 * len(vals):], rank, x.device)
     return rank, world
 
 
