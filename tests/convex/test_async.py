@@ -97,6 +97,41 @@ def test_stuck_worker_times_out_instead_of_hanging():
                              **{**TINY, "timeout_s": 1.0})
 
 
+def _ignore_sigterm_and_wait(ready) -> None:
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(60)
+
+
+def _wait(ready) -> None:
+    import time
+
+    ready.set()
+    time.sleep(60)
+
+
+def test_processes_left_after_a_failure_are_stopped_even_if_they_ignore_sigterm():
+    """After a failure the run stops the other processes: SIGTERM first, SIGKILL after the grace
+    period for one that ignores SIGTERM (which join(grace) alone would leave running)."""
+    import multiprocessing
+
+    from gradq.convex.async_ps import stop_processes
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = [ctx.Event(), ctx.Event()]
+    procs = [ctx.Process(target=_ignore_sigterm_and_wait, args=(ready[0],)),
+             ctx.Process(target=_wait, args=(ready[1],))]
+    for p in procs:
+        p.start()
+    assert all(r.wait(60) for r in ready)
+    stop_processes(procs, grace=0.5)
+    assert not any(p.is_alive() for p in procs)
+    assert procs[0].exitcode == -9 and procs[1].exitcode == -15   # killed; terminated
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(workers=0), "workers must be an integer >= 1"),
     (dict(updates=0), "updates must be an integer >= 1"),

@@ -55,7 +55,7 @@ from collections import Counter
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -367,11 +367,22 @@ def run_async_experiment(problem_name: str, *, workers: int = 4, spec: Optional[
         return summary
     finally:
         if ctx is not None:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
+            stop_processes(ctx.processes)   # (only after a failure: the others may wait on the failed one)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop_processes(processes: Sequence[Any], grace: float = 5.0) -> None:
+    """Stop the processes still alive: SIGTERM, ``grace`` seconds to exit, then SIGKILL for any that
+    ignored it, so that no process is left behind."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    for p in alive:
+        p.join(grace)
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(grace)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
