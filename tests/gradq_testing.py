@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from typing import Callable, Iterable, Sequence
 
@@ -113,3 +114,21 @@ def teardown() -> None:
     from gradq.comm import lifecycle
 
     lifecycle.teardown()
+
+
+class KeptWarnings(logging.Handler):
+    """The warnings a logger gives, kept as their messages (``keep_warnings("gradq.hostshare")`` in a
+    spawned rank, whose log pytest does not capture)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def keep_warnings(logger: str) -> KeptWarnings:
+    kept = KeptWarnings()
+    logging.getLogger(logger).addHandler(kept)
+    return kept

@@ -9,7 +9,6 @@ draws different data (seed depends on the rank).
 from __future__ import annotations
 
 import io
-import logging
 import os
 import pickle
 
@@ -107,20 +106,10 @@ def resume_run(spec: str, kw: dict, rank: int, split: int, total: int):
     return params(a), params(c), ck, st_b, st_c
 
 
-class _Kept(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _child(rank: int, world: int, tmp: str) -> None:
     gradq_testing.init_gloo(tmp, rank, world)
     res: dict = {}
-    shared = _Kept()   # what gradq.hostshare says about ranks sharing cores
-    logging.getLogger("gradq.hostshare").addHandler(shared)
+    shared = gradq_testing.keep_warnings("gradq.hostshare")   # what it says about ranks sharing cores
 
     # 1. `none` through the hook == DDP without a hook (two steps: the second uses rebuilt buckets)
     plain, hooked = ddp(), ddp()

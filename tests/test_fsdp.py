@@ -16,7 +16,7 @@ import torch.distributed as dist
 import gradq
 from gradq.fsdp import GradqReduceScatter, is_fsdp2
 from gradq.netem import EmulatedNetwork, can_emulate, launch
-from gradq_testing import init_gloo, spawn_ranks, teardown
+from gradq_testing import KeptWarnings, init_gloo, spawn_ranks, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -281,16 +281,7 @@ def _case_threads(rank: int, world: int, tmp: str) -> dict:
     return {"cpus": cpus, "quiet": quiet, "wide": list(_SHARED.messages)}
 
 
-class _Kept(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-_SHARED = _Kept()   # what gradq.hostshare says in this rank
+_SHARED = KeptWarnings()   # what gradq.hostshare says in this rank
 
 
 CASES = {k[len("_case_"):]: v for k, v in globals().items() if k.startswith("_case_")}
