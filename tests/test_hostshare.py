@@ -30,6 +30,13 @@ def test_the_widest_pool_counts_and_the_advice_is_the_share():
     assert hostshare.thread_share_warning(keys, 0, cpus=16, pools={"torch": 8, "numba": 8}) is None
 
 
+def test_ranks_that_outnumber_the_cores_with_one_thread_each_are_not_warned():
+    """(``gradq train`` emulates 4 workers on 2 cores that way: narrower pools are not possible.)"""
+    one = {"torch": 1, "numba": 1}
+    assert hostshare.thread_share_warning([1, 1, 1, 1], 0, cpus=2, pools=one) is None
+    assert hostshare.thread_share_warning([1, 1, 1], 0, cpus=4, pools={"torch": 2}) is not None   # 2 > 4 // 3
+
+
 def test_a_rank_alone_on_its_cores_is_never_warned():
     wide = {"torch": 64}
     assert hostshare.thread_share_warning([3], 0, cpus=2, pools=wide) is None

@@ -77,7 +77,9 @@ def thread_share_warning(keys: Sequence[int], rank: int, *, cpus: Optional[int] 
     """The warning for ``rank`` given every rank's :func:`host_key` (``keys``), or ``None``.
 
     A warning is due when more than one rank shares this rank's cores and their pools hold more threads
-    than those cores; only the lowest rank of the ones sharing gives it, so a machine says it once."""
+    than those cores, wider than each rank's share (``cores ÷ ranks``, at least 1): ranks that outnumber
+    the cores with one thread each (``gradq train`` emulating more workers than cores) have nothing to
+    give back. Only the lowest rank of the ones sharing gives it, so a machine says it once."""
     mine = keys[rank]
     sharing = [r for r, k in enumerate(keys) if k == mine]
     if len(sharing) < 2 or sharing[0] != rank:
@@ -85,10 +87,10 @@ def thread_share_warning(keys: Sequence[int], rank: int, *, cpus: Optional[int] 
     cpus = len(_cpus()) if cpus is None else cpus
     pools = pool_threads() if pools is None else pools
     widest = max(pools.values())
-    if len(sharing) * widest <= cpus:
+    share = max(1, cpus // len(sharing))
+    if len(sharing) * widest <= cpus or widest <= share:
         return None
     each = ", ".join(f"{name} {n}" for name, n in pools.items())
-    share = max(1, cpus // len(sharing))
     return (f"gradq: {len(sharing)} ranks share the {cpus} CPUs of this machine and each rank's thread pools "
             f"are {widest} wide ({each}): the pools contend for the cores, which can make every step several "
             f"times slower. Give each rank its share: set OMP_NUM_THREADS={share} in the environment before "
