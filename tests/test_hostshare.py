@@ -79,6 +79,13 @@ def test_pool_threads_reads_the_pools(numba_loaded, monkeypatch):
 
     if numba_loaded:
         import numba
+        from numba.np.ufunc import parallel
+
+        monkeypatch.setattr(parallel, "_is_initialized", False)   # not started: the pool's size, and not started
+        monkeypatch.setattr(numba, "get_num_threads", lambda: pytest.fail("would start numba's pool"))
+        assert hostshare.pool_threads()["numba"] == numba.config.NUMBA_NUM_THREADS
+        monkeypatch.undo()
+        numba.get_num_threads()                                   # started: what this thread uses
         assert hostshare.pool_threads()["numba"] == numba.get_num_threads()
     else:
         monkeypatch.delitem(sys.modules, "numba", raising=False)

@@ -63,12 +63,14 @@ def host_slots(rank: int, world: int) -> list[int]:
 
 def pool_threads() -> dict[str, int]:
     """The threads of this process's compute pools: torch's intra-op pool and, once loaded, numba's (as
-    the calling thread uses it)."""
+    the calling thread uses it once its pool runs; before, the pool's size, without starting it)."""
     pools = {"torch": torch.get_num_threads()}
     if "numba" in sys.modules:
         import numba
+        from numba.np.ufunc import parallel
 
-        pools["numba"] = int(numba.get_num_threads())
+        started = getattr(parallel, "_is_initialized", True)   # (get_num_threads starts the pool)
+        pools["numba"] = int(numba.get_num_threads() if started else numba.config.NUMBA_NUM_THREADS)
     return pools
 
 
