@@ -197,3 +197,24 @@ def test_the_kept_field_buffer_never_reaches_a_payload():
     t.start()
     t.join()
     assert other[0] != field_buffer(5).data_ptr()
+
+
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_the_elias_primitives_are_the_quantizers_and_each_other(norm):
+    """``kernels.elias_encode`` / ``elias_decode`` (what Elias-coded QSGD calls): the quantizer's
+    stream, index and scales for the same seed; ``elias_decode`` into a CPU ``out=`` (decoded by
+    chunks) gives the values of the decode without ``out=`` (the fields path); a bad norm is refused."""
+    import gradq
+    from gradq import kernels
+
+    q = gradq.build(f"qsgd:bits=4,bucket=500,norm={norm},coding=elias")
+    x = torch.randn(CHUNK + 1234, generator=torch.Generator().manual_seed(5))
+    p = q.encode(x, seed=6)
+    stream, index, scales = kernels.elias_encode(x, q.s, 500, norm, 6)
+    assert torch.equal(stream, p.fields["stream"]) and torch.equal(index, p.fields["index"])
+    assert torch.equal(scales, p.fields["scales"])
+    out32 = torch.full_like(x, float("nan"))
+    assert kernels.elias_decode(stream, index, scales, q.s, 500, x.numel(), out32) is out32
+    assert torch.equal(out32, q.decode(p))
+    with pytest.raises(ValueError, match="norm"):
+        kernels.elias_encode(x, q.s, 500, "l1", 6)

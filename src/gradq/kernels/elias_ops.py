@@ -92,7 +92,7 @@ def elias_encode(x: torch.Tensor, s: int, bucket: Optional[int], norm: str, rng:
 def elias_decode(stream: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor, s: int,
                  bucket: Optional[int], n: int, out: torch.Tensor) -> torch.Tensor:
     """Decode an Elias stream of ``n`` QSGD codes (``1 ≤ s ≤ 127``, per-bucket ``scales``) into
-    ``out`` and return it. The caller checks the stream's CRC first.
+    ``out`` (flat, contiguous float32) and return it. The caller checks the stream's CRC first.
 
     A float32 CPU ``out`` (with numba's or torch's kernels) is filled chunk by chunk, decoded and
     dequantized in one go (:func:`gradq.codecs.qsgd_stream.decode_stream_values`), so no array of
