@@ -279,3 +279,14 @@ def test_parse_reads_host_bytes_and_unknown_layouts_with_their_header():
     bad[0] ^= 1
     with pytest.raises(gradq.PayloadError):
         _parse_where_it_lies(bytes(bad))
+
+
+def test_parse_checks_what_it_read_from_a_header_only():
+    """``check`` sees each payload read by its header; a view by the layout has the layout's fields by
+    construction and is not checked again (the DDP hook parses device payloads every step)."""
+    seen = []
+    kw = dict(names=NAMES, layout=LAYOUT, spec=SPEC, shape=SHAPE, dtype=torch.float32, check=seen.append)
+    got = Payload.parse(_payload().to_bytes(), **kw)
+    assert seen == [got]
+    Payload.parse(torch.empty(_payload().nbytes, dtype=torch.uint8, device="meta"), **kw)
+    assert seen == [got]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -162,13 +162,18 @@ class Payload:
     @classmethod
     def parse(cls, buf: torch.Tensor | bytes | bytearray, *, names: Sequence[str],
               layout: Optional[Mapping[str, tuple[torch.dtype, int]]], spec: str, shape: Sequence[int],
-              dtype: torch.dtype, copy: bool = True) -> "Payload":
+              dtype: torch.dtype, copy: bool = True,
+              check: Optional[Callable[["Payload"], None]] = None) -> "Payload":
         """Parse wire bytes where they lie: a buffer on a device whose fields have a fixed ``layout``
-        is viewed by :meth:`from_layout` (no header read on the host); anything else is read by
-        :meth:`from_bytes`, header and all (``names``: the fields in wire order)."""
+        is viewed by :meth:`from_layout` (no header read on the host; its fields are the layout's by
+        construction); anything else is read by :meth:`from_bytes`, header and all (``names``: the
+        fields in wire order), then passed to ``check`` (which raises on fields it does not expect)."""
         if layout is not None and isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
             return cls.from_layout(buf, layout, spec=spec, shape=shape, dtype=dtype)
-        return cls.from_bytes(buf, names=names, spec=spec, shape=shape, dtype=dtype, copy=copy)
+        p = cls.from_bytes(buf, names=names, spec=spec, shape=shape, dtype=dtype, copy=copy)
+        if check is not None:
+            check(p)
+        return p
 
     @classmethod
     def from_layout(cls, buf: torch.Tensor, layout: Mapping[str, tuple[torch.dtype, int]], *, spec: str,

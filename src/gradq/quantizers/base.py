@@ -381,10 +381,9 @@ class Quantizer:
         numel = 1
         for s in shape:
             numel *= int(s)
-        p = Payload.parse(buf, names=self.wire_fields(numel), layout=self.field_layout(numel), spec=self.spec,
-                          shape=shape, dtype=dtype, copy=copy)
-        self._check_fields(p)
-        return p
+        layout = self.field_layout(numel)
+        return Payload.parse(buf, names=self.wire_fields(numel) if layout is None else tuple(layout), layout=layout,
+                             spec=self.spec, shape=shape, dtype=dtype, copy=copy, check=self._check_fields)
 
     def _check_fields(self, payload: Payload) -> None:
         layout = self.field_layout(payload.numel)
