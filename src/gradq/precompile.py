@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 
 from .factory import build
+from .kernels.numba_cache import quiet_compiles
 
 __all__ = ["SPECS", "precompile"]
 
@@ -70,14 +71,15 @@ def precompile(specs: Optional[Iterable[str]] = None, *, numel: int = 5000,
                    delay=1.0)
     took: dict[str, float] = {}
     try:
-        for spec in todo:
-            if bar is not None:
-                bar.set_postfix_str(spec, refresh=False)
-            t0 = time.perf_counter()
-            _exercise(spec, numel)
-            took[spec] = time.perf_counter() - t0
-            if bar is not None:
-                bar.update()
+        with quiet_compiles():   # (no note of the compiles: this is the place for them)
+            for spec in todo:
+                if bar is not None:
+                    bar.set_postfix_str(spec, refresh=False)
+                t0 = time.perf_counter()
+                _exercise(spec, numel)
+                took[spec] = time.perf_counter() - t0
+                if bar is not None:
+                    bar.update()
     finally:
         if bar is not None:
             bar.close()

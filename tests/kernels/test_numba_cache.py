@@ -81,3 +81,49 @@ def test_codecs_use_their_keyed_directory():
                qsgd_chunks_read._read_chunks):
         assert fn._cache._cache_path.startswith(want), fn
     assert config.CACHE_DIR != want
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_the_first_compile_of_a_gradq_function_is_noted_once(monkeypatch, caplog):
+    """numba's compile events (a cache hit loads without one): the first compile of a gradq function
+    in a process logs one note, naming the cache and ``gradq compile``; numba's own functions, later
+    compiles and compiles inside ``quiet_compiles()`` (``gradq compile``'s) log nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from numba.core import event
+
+    numba_cache._listen_for_compiles()
+    monkeypatch.setattr(numba_cache, "_NOTED", False)
+
+    def compile_of(module: str) -> None:
+        fn = SimpleNamespace(__module__=module, __name__="f")
+        data = {"dispatcher": SimpleNamespace(py_func=fn)}
+        event.start_event("numba:compile", data=data)
+        event.end_event("numba:compile", data=data)
+
+    with caplog.at_level(logging.WARNING, logger="gradq.kernels.numba_cache"):
+        compile_of("numba.np.arrayobj")
+        with numba_cache.quiet_compiles():
+            compile_of("gradq.kernels.cpu")
+        assert caplog.records == []
+        compile_of("gradq.kernels.cpu")
+        compile_of("gradq.codecs.elias")
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert os.path.dirname(numba_cache.cache_dir()) in note and "gradq compile" in note
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_a_cold_cache_says_so_and_a_warm_one_does_not(tmp_path):
+    """For real, in fresh processes: a gradq function compiled into an empty cache draws the note on
+    stderr; the next process loads it from the cache and says nothing."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GRADQ_NUMBA_CACHE=str(tmp_path))
+    code = "from gradq.codecs import elias; assert elias.bitlen(5) == 3"
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    assert "numba is compiling gradq's CPU kernels" in runs[0].stderr and str(tmp_path) in runs[0].stderr
+    assert "compiling" not in runs[1].stderr

@@ -16,6 +16,7 @@ process keeps its cache."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -67,12 +68,69 @@ def cache_dir(env: Optional[dict] = None, group: str = "kernels") -> str:
     return os.path.join(base, key if group == "kernels" else f"{group}-{key}")
 
 
+logger = logging.getLogger(__name__)
+
+_LISTENING = False   # the compile listener is registered with numba
+_NOTED = False       # this process said that it compiles
+_QUIET = 0           # > 0 inside quiet_compiles()
+
+
+def _note_first_compile() -> None:
+    global _NOTED
+    if _NOTED or _QUIET:
+        return
+    _NOTED = True
+    logger.warning("gradq: numba is compiling gradq's CPU kernels (once per machine and gradq version, about "
+                   "10-30 s a scheme: only the first steps are slow). They are kept in %s. To compile them "
+                   "before a launch, run `gradq compile` (every scheme) or `gradq compile -c SPEC`.",
+                   os.path.dirname(cache_dir()))
+
+
+def _listen_for_compiles() -> None:
+    """Register (once) a numba event listener that notes the first compile of a gradq function in this
+    process: a cache that already holds the kernels loads them without a compile event, and says nothing."""
+    global _LISTENING
+    if _LISTENING:
+        return
+    _LISTENING = True
+    try:
+        from numba.core import event
+    except ImportError:   # (a numba without the event API: no note)
+        return
+
+    class FirstCompile(event.Listener):
+        def on_start(self, ev: Any) -> None:
+            try:
+                fn = getattr((ev.data or {}).get("dispatcher"), "py_func", None)
+                if str(getattr(fn, "__module__", "")).startswith("gradq."):
+                    _note_first_compile()
+            except Exception:   # noqa: BLE001 — a note must never break a compile
+                pass
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    event.register("numba:compile", FirstCompile())
+
+
+@contextmanager
+def quiet_compiles() -> Iterator[None]:
+    """No note of compiles inside (``gradq compile`` shows its own progress)."""
+    global _QUIET
+    _QUIET += 1
+    try:
+        yield
+    finally:
+        _QUIET -= 1
+
+
 @contextmanager
 def keyed_cache(group: str = "kernels") -> Iterator[str]:
     """Point numba's cache at :func:`cache_dir` while the kernel modules are imported (numba picks
     a function's cache location when it is decorated)."""
     from numba.core import config
 
+    _listen_for_compiles()
     path = cache_dir(group=group)
     old = config.CACHE_DIR
     config.CACHE_DIR = path
