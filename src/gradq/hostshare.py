@@ -3,9 +3,9 @@ add up to more threads than the cores they share.
 
 torchrun gives each worker ``OMP_NUM_THREADS=1`` unless the user set it, but ranks started another way
 (``torch.multiprocessing.spawn``, a hand-written launcher) start with torch's pool and numba's pool as
-wide as the machine, in every rank. On a CPU their pools then contend for the same cores: measured on
-two cores, a 2-rank fp32 DDP step of a 6.3M-parameter MLP took 117–145 ms without the variable and
-47–57 ms with it, a TernGrad step 134–160 ms against 62–68 ms (``docs/reliability.md``).
+wide as the machine, in every rank. On a CPU their pools then contend for the same cores, and a step
+can take twice as long or more (measured in ``docs/reliability.md``, "Ranks that spun against each
+other").
 
 Which ranks share cores is found with no extra message: each rank writes a key of its machine and CPU
 set into its own slot of a vector (:func:`host_slots`) that rides in the first step's settings check,
