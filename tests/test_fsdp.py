@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import gradq
 from gradq.fsdp import GradqReduceScatter, is_fsdp2
 from gradq.netem import EmulatedNetwork, can_emulate, launch
-from gradq_testing import KeptWarnings, init_gloo, spawn_ranks, teardown
+from gradq_testing import KeptWarnings, init_gloo, keep_warnings, spawn_ranks, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -281,7 +280,7 @@ def _case_threads(rank: int, world: int, tmp: str) -> dict:
     return {"cpus": cpus, "quiet": quiet, "wide": list(_SHARED.messages)}
 
 
-_SHARED = KeptWarnings()   # what gradq.hostshare says in this rank
+_SHARED: Optional[KeptWarnings] = None   # what gradq.hostshare says in this rank (kept from _child on)
 
 
 CASES = {k[len("_case_"):]: v for k, v in globals().items() if k.startswith("_case_")}
@@ -294,7 +293,8 @@ def _child(rank: int, world: int, tmp: str, cases: list[str]) -> None:
     from datetime import timedelta
 
     init_gloo(tmp, rank, world, timeout=timedelta(seconds=180))   # a bug that strands a rank fails, not hangs
-    logging.getLogger("gradq.hostshare").addHandler(_SHARED)
+    global _SHARED
+    _SHARED = keep_warnings("gradq.hostshare")
     out: dict = {}
     try:
         for case in cases:

@@ -90,7 +90,7 @@ def thread_share_warning(keys: Sequence[int], rank: int, *, cpus: Optional[int] 
     pools = pool_threads() if pools is None else pools
     widest = max(pools.values())
     share = max(1, cpus // len(sharing))
-    if len(sharing) * widest <= cpus or widest <= share:
+    if widest <= share:   # (a pool wider than its share makes the ranks' threads outnumber the cores)
         return None
     each = ", ".join(f"{name} {n}" for name, n in pools.items())
     return (f"gradq: {len(sharing)} ranks share the {cpus} CPUs of this machine and each rank's thread pools "
