@@ -4,8 +4,9 @@ numba compiles a kernel on its first call and keeps the machine code on disk
 (:mod:`gradq.kernels.numba_cache`; ``~/.cache/gradq/numba`` unless ``GRADQ_NUMBA_CACHE`` says
 otherwise), keyed by a hash of the kernels' sources. A fresh machine, a new version of gradq, or a
 fresh CI runner pays that once: 1–30 s a scheme, about two minutes for all of them on two cores
-(``benchmarks/bench_compile.py``). Ranks started together on a cold cache each pay it, at the same time,
-on the same cores. Compiling first, in one process, lets every rank load the kernels instead.
+(``benchmarks/bench_compile.py``). Ranks started together on a cold cache take turns at it (one compiles
+a kernel under a lock in the cache folder, the others wait and load it), but the first steps still
+wait for it. Compiling first, in one process, lets every rank load the kernels at once.
 
 ``gradq train`` and ``gradq demo`` do this for their specs before they start their local workers.
 Before a ``torchrun`` of your own, run ``gradq compile`` (every scheme) or ``gradq compile -c SPEC``

@@ -127,3 +127,148 @@ def test_a_cold_cache_says_so_and_a_warm_one_does_not(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     assert "numba is compiling gradq's CPU kernels" in runs[0].stderr and str(tmp_path) in runs[0].stderr
     assert "compiling" not in runs[1].stderr
+
+
+# -- one process of a machine compiles ---------------------------------------------------------------------
+def test_the_compile_lock_is_reentrant_exclusive_and_gives_up_after_its_timeout(tmp_path, caplog):
+    import fcntl
+    import logging
+
+    folder = str(tmp_path / "cache")
+    lock_file = os.path.join(folder, ".compile.lock")
+
+    def free() -> bool:   # another open file description: what another process would see
+        fd = os.open(lock_file, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    with numba_cache.compile_lock(folder) as held:
+        assert held and not free()
+        with numba_cache.compile_lock(folder) as again:   # a kernel's compile inside another's
+            assert again and not free()
+        assert not free()
+        with caplog.at_level(logging.WARNING, logger="gradq.kernels.numba_cache"):
+            assert numba_cache._acquire(folder, timeout=0.1) is None   # as another process would wait
+        (msg,) = [r.getMessage() for r in caplog.records]
+        assert "compiling here instead" in msg and folder in msg
+    assert free()
+    # a folder that cannot be made: no lock, and no error (each process compiles on its own)
+    (tmp_path / "file").write_text("")
+    with numba_cache.compile_lock(str(tmp_path / "file" / "cache")) as held:
+        assert not held
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_gradq_dispatchers_look_in_the_cache_before_they_lock():
+    from gradq.codecs import elias
+    from gradq.kernels import binary, cpu
+
+    binary._cpu()
+    from gradq.kernels import cpu_binary
+
+    assert vars(elias.bitlen)["_gradq_compile"] == numba_cache.cache_dir(group="codecs")
+    for fn in (cpu.maxabs_scales, cpu_binary.binary_encode):
+        assert vars(fn)["_gradq_compile"] == numba_cache.cache_dir(), fn
+    import numba
+
+    @numba.njit
+    def not_ours(x):
+        return x
+
+    assert numba_cache._one_compiles(not_ours, "/nowhere") is not_ours and "_gradq_compile" not in vars(not_ours)
+
+
+CHILD = r'''
+import os, sys, time
+from numba.core import event
+from gradq.codecs import elias   # (registers gradq's listener, which stops a look in the cache that missed)
+from gradq.kernels import numba_cache as nc
+
+role, ready, go = sys.argv[1:4]
+nc.LOCK_TIMEOUT = float(os.environ.get("LOCK_TIMEOUT", nc.LOCK_TIMEOUT))
+compiled = []
+
+class Count(event.Listener):   # notified after gradq's listener: only compiles that go ahead
+    def on_start(self, ev):
+        fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+        if str(getattr(fn, "__module__", "")).startswith("gradq."):
+            compiled.append(fn.__name__)
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Count())
+
+if role == "holder":     # holds the machine's lock until told to go, then compiles under it
+    with nc.compile_lock(nc.cache_dir(group="codecs")) as held:
+        assert held
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.02)
+        assert elias.bitlen(5) == 3
+else:
+    print("calling", flush=True)
+    assert elias.bitlen(5) == 3
+print("compiled", len(compiled), flush=True)
+'''
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+def test_ranks_on_an_empty_cache_compile_once_and_load_without_the_lock(tmp_path):
+    """For real, in processes on one empty cache: while one holds the lock (compiling, in effect), a
+    second that needs the same kernel waits for it and then loads what it compiled, compiling
+    nothing; a third that gives up waiting (a timeout of 0.5 s) compiles on its own, which is what
+    the second would have done without the lock. Then, with the lock held by this test, a process
+    on the warm cache loads without waiting for it."""
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, GRADQ_NUMBA_CACHE=str(tmp_path / "cache"))
+    env.pop("GRADQ_COMPILE_LOCK", None)
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+
+    def finish(proc: subprocess.Popen) -> tuple[int, str]:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        return int(out.split("compiled")[-1]), err
+
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, **extra: str) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, role, ready, go], env={**env, **extra},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    try:
+        holder = start("holder")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready):
+            assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()[1][-3000:]
+            time.sleep(0.05)
+        waiter, impatient = start("waiter"), start("impatient", LOCK_TIMEOUT="0.5")
+        assert waiter.stdout.readline().startswith("calling")
+        assert impatient.stdout.readline().startswith("calling")
+        n_impatient, err = finish(impatient)          # it compiled while the lock was held
+        assert n_impatient >= 1 and "compiling here instead" in err
+        time.sleep(0.5)                               # (the waiter is waiting by now)
+        open(go, "w").close()
+        finish(holder)
+        n_waiter, err = finish(waiter)
+        assert n_waiter == 0 and "compiling here instead" not in err and "numba is compiling" not in err
+
+        folder = os.path.join(env["GRADQ_NUMBA_CACHE"], os.path.basename(numba_cache.cache_dir(group="codecs")))
+        with numba_cache.compile_lock(folder) as held:
+            assert held
+            warm = start("warm", LOCK_TIMEOUT="0.5")
+            n_warm, err = finish(warm)
+        assert n_warm == 0 and "compiling here instead" not in err
+    finally:   # (a failed assertion must not leave a holder waiting for its go)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
