@@ -10,7 +10,8 @@ timed through a wrapper that only calls it) and ``gradq.register(model, spec)`` 
 ``intra_node="fp32"``. With ``--ranks-per-node L`` the emulated network has hosts of ``L`` ranks (they
 talk over the host's loopback and share its link), as nodes of several GPUs. The ``residual MB``
 column is what error feedback holds per rank (a spec with ``ef``), against the sharded parameters'
-float32 bytes. The model is the wide MLP (784-2048-2048-10 on 28×28 inputs, 5.8M parameters;
+float32 bytes; ``agreement ms`` is gradq's small all-reduce at each step's end (its ``agree_seconds``:
+the ranks agree on damaged payloads and non-finite flags), which includes waiting for the slowest rank. The model is the wide MLP (784-2048-2048-10 on 28×28 inputs, 5.8M parameters;
 the digits are upsampled to 28×28 when the shared MNIST is absent, so the size matches), every
 Linear and the root sharded with ``fully_shard``. Medians over the steps after the first epoch's first
 5; ratios are to stock FSDP2 in the same run. With ``--network RATE`` (root) each rank gets its own
@@ -63,15 +64,16 @@ def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: i
     else:
         comm = gradq.register(model, spec, seed=0, **kw)
         rs_seconds = lambda: sum(comm.totals[k] for k in ("encode_seconds", "comm_seconds", "decode_seconds"))  # noqa: E731
+    agree_seconds = (lambda: 0.0) if spec is None else (lambda: comm.totals["agree_seconds"])  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     per = x_tr.shape[0] // (world * batch)
-    steps, rs, curve = [], [], []
+    steps, rs, agree, curve = [], [], [], []
     wall = 0.0
     for epoch in range(epochs):
         for i in range(per):
             idx = torch.arange(batch) + (i * world + rank) * batch
             dist.barrier()
-            t0, r0 = time.perf_counter(), rs_seconds()
+            t0, r0, a0 = time.perf_counter(), rs_seconds(), agree_seconds()
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
             loss.backward()
             opt.step()
@@ -80,12 +82,13 @@ def _case(name: str, spec: Optional[str], data, epochs: int, batch: int, rank: i
             wall += dt
             steps.append(dt)
             rs.append(rs_seconds() - r0)
+            agree.append(agree_seconds() - a0)
         with torch.no_grad():
             acc = float((model(x_te).argmax(1) == y_te).float().mean())
         curve.append((wall, acc))
     warm = 5
     out = {"case": name, "step_ms": 1e3 * statistics.median(steps[warm:]), "rs_ms": 1e3 * statistics.median(rs[warm:]),
-           "curve": curve, "steps": len(steps)}
+           "agree_ms": 1e3 * statistics.median(agree[warm:]), "curve": curve, "steps": len(steps)}
     out["param_mb"] = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2 ** 20
     if spec is not None:
         out["bits_per_coord"] = comm.last_stats.get("bits_per_coord")
@@ -150,14 +153,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         where += f", {args.world // args.ranks_per_node} hosts of {args.ranks_per_node} ranks"
     print(f"\n### FSDP2, {args.world} gloo ranks on {where}, wide MLP (5.8M parameters), batch {args.batch_size} per rank, "
           f"{args.epochs} epochs ({base['steps']} steps)\n")
-    print("| case | bits/coord | reduce-scatter ms (median) | × fp32 | step ms (median) | × fp32 | test accuracy | "
-          "training s | residual MB (params MB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| case | bits/coord | reduce-scatter ms (median) | × fp32 | step ms (median) | × fp32 | agreement ms "
+          "(% of step) | test accuracy | training s | residual MB (params MB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         bits = r.get("bits_per_coord")
+        agree = "—" if bits is None else f"{r['agree_ms']:.2f} ({100 * r['agree_ms'] / r['step_ms']:.1f} %)"
         print(f"| {r['case']} | {'32' if bits is None else f'{bits:.2f}'} | {r['rs_ms']:.1f} | "
               f"{base['rs_ms'] / r['rs_ms']:.2f} | {r['step_ms']:.1f} | {base['step_ms'] / r['step_ms']:.2f} | "
-              f"{r['curve'][-1][1]:.3f} | {r['curve'][-1][0]:.1f} | {r.get('residual_mb', 0.0):.1f} "
+              f"{agree} | {r['curve'][-1][1]:.3f} | {r['curve'][-1][0]:.1f} | {r.get('residual_mb', 0.0):.1f} "
               f"({r['param_mb']:.1f}) |")
     print("\naccuracy after each epoch (seconds of training, accuracy):")
     for r in rows:

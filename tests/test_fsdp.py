@@ -172,6 +172,56 @@ def _case_nonfinite(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def _case_damage(rank: int, world: int, tmp: str) -> dict:
+    """At step 1 one byte of the first payload rank 1 receives from rank 0 is damaged: with checksums
+    its CRC-32 fails; without, the byte becomes 0xFF, four 2-bit TernGrad codes of 3, which no encode
+    writes. Only rank 1 can see it. In "both", rank 0 also has a NaN in its input at step 1 and every
+    payload rank 1 receives from it in that step is damaged, so rank 1 reads none of rank 0's
+    non-finite flags. Returns every rank's rows."""
+    from gradq.comm import scatter as scatter_mod
+
+    real = scatter_mod._exchange
+    out: dict = {}
+    for policy, checksum, both in (("raise", True, False), ("raise", False, False), ("skip", True, False),
+                                   ("skip", False, False), ("raise", True, True)):
+        m = _shard(_model())
+        comm = gradq.register(m, "terngrad:pack=2bit", seed=1, nan_policy=policy, checksum=checksum, **ALL)
+        state = {"t": 0, "done": False}
+
+        def damaged(send, sizes, fixed, group, _checksum=checksum, _every=both):
+            recv, recv_sizes = real(send, sizes, fixed, group)
+            if state["t"] == 1 and rank == 1 and (_every or not state["done"]):
+                # byte 40 of the payload from rank 0: a byte of its codes (after a 26-byte header)
+                recv[40] = recv[40] ^ 0x5A if _checksum else 0xFF
+                state["done"] = True
+            return recv, recv_sizes
+
+        scatter_mod._exchange = damaged
+        rows = []
+        try:
+            for t in range(3):
+                state["t"] = t
+                x, y = _batch(t, rank)
+                if both and t == 1 and rank == 0:
+                    x = x.clone()
+                    x[0, 0] = float("nan")
+                try:
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    grads_zero = all(bool((p.grad == 0).all()) for p in m.parameters())
+                    rows.append({"skipped": comm.last_stats["skipped"], "zero": grads_zero})
+                except (gradq.PayloadError, gradq.NonFiniteError) as e:
+                    rows.append({"error": str(e), "type": type(e).__name__})
+                for p in m.parameters():
+                    p.grad = None
+        finally:
+            scatter_mod._exchange = real
+        every: list = [None] * world
+        dist.all_gather_object(every, {"rows": rows, "skipped_steps": comm.totals["skipped_steps"],
+                                       "steps": comm.totals["steps"]})
+        out["both" if both else f"{policy}-{'crc' if checksum else 'codes'}"] = every
+    return out
+
+
 def _case_resume(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -317,7 +367,7 @@ def _spawn(cases: list[str], world: int) -> dict:
 
 
 #: the 2-rank cases, run in one spawn by the module's fixture (the mismatch last: it fails on purpose)
-TWO_RANKS = ["fp32", "direct", "policy", "train", "nonfinite", "resume", "threads", "mismatch"]
+TWO_RANKS = ["fp32", "direct", "policy", "train", "nonfinite", "damage", "resume", "threads", "mismatch"]
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +426,7 @@ def test_training_converges_like_fp32_at_4_bits_and_with_error_feedback(two_rank
 
 def test_nonfinite_gradients_raise_on_every_rank_or_skip_the_step(two_ranks):
     out = _result(two_ranks, "nonfinite")
-    for how in ("", "-deferred"):   # decided in the call (CPU), or at the backward's end (as on CUDA)
+    for how in ("", "-deferred"):   # the CPU bookkeeping, and the CUDA one (counts kept on the device)
         r = out["raise" + how]["rows"]
         assert "skipped" in r[0] and "error" in r[1] and "non-finite" in r[1]["error"] and "skipped" in r[2], how
         s = out["skip" + how]["rows"]   # rank 0 (which saw no NaN) reports: every rank skips alike
@@ -384,6 +434,31 @@ def test_nonfinite_gradients_raise_on_every_rank_or_skip_the_step(two_ranks):
         assert s[1] == {"skipped": True, "zero": True}, how
         assert s[2] == {"skipped": False, "zero": False}, how
         assert out["skip" + how]["skipped_steps"] == 1 and out["skip" + how]["steps"] == 3, how
+
+
+def test_a_damaged_payload_is_refused_on_every_rank_in_the_same_step(two_ranks):
+    """Rank 1 alone received the damaged payload (step 1); every rank raises PayloadError at the end
+    of that step, or skips it with zeroed gradients, and both go on to step 2 together."""
+    out = _result(two_ranks, "damage")
+    for how in ("crc", "codes"):
+        for rank, r in enumerate(out["raise-" + how]):
+            rows = r["rows"]
+            assert rows[0] == {"skipped": False, "zero": False}, (how, rank)
+            assert "error" in rows[1] and "1 payload(s) of step 1 arrived damaged or corrupt" in rows[1]["error"], \
+                (how, rank)
+            assert rows[2] == {"skipped": False, "zero": False}, (how, rank)
+            assert r["steps"] == 3, (how, rank)
+        seen = out["raise-" + how][1]["rows"][1]["error"]   # the receiver names what it saw
+        assert ("failed its checksum" if how == "crc" else "fields no encode writes") in seen, seen
+        for rank, r in enumerate(out["skip-" + how]):
+            assert [row.get("skipped") for row in r["rows"]] == [False, True, False], (how, rank)
+            assert r["rows"][1]["zero"] and r["skipped_steps"] == 1 and r["steps"] == 3, (how, rank)
+    # rank 1 lost every non-finite flag of rank 0 in damaged payloads: the step's agreement still
+    # makes it raise NonFiniteError with rank 0 (before, rank 0 raised alone, in the call)
+    for rank, r in enumerate(out["both"]):
+        row = r["rows"][1]
+        assert row.get("type") == "NonFiniteError" and r["rows"][2] == {"skipped": False, "zero": False}, (rank, row)
+    assert "on another rank" in out["both"][1]["rows"][1]["error"]
 
 
 def test_checkpoint_and_resume_continue_exactly(two_ranks):

@@ -35,12 +35,20 @@ the ranks of equal local rank (one per node), decoded and summed. Only ``N−1``
 rank cross the network instead of ``M−1``, and the fast intra-node links carry the float32 traffic.
 
 Non-finite gradients: a rank encodes zeros in place of NaN/Inf values and counts them; the count
-reaches every rank in the payloads (above). ``nan_policy="raise"`` then raises
-:class:`gradq.NonFiniteError` on every rank in the same call; ``"skip"`` zeroes this call's output and,
-when the backward ends, every gradient of the model, and marks the step ``skipped`` in ``last_stats``
-(check it to skip ``optimizer.step()``). On CUDA tensors nothing waits for the GPU inside a call: the
-counts stay on the device (a bad call's output is zeroed there), the input buffer is cleaned in place,
-and the decision, like the phase times (CUDA events), is read once, when the backward ends.
+reaches every rank in the payloads (above), and a bad call's output is zeroed. When the backward
+ends, ``nan_policy="raise"`` raises :class:`gradq.NonFiniteError` on every rank; ``"skip"`` zeroes
+every gradient of the model and marks the step ``skipped`` in ``last_stats`` (check it to skip
+``optimizer.step()``). On CUDA tensors nothing waits for the GPU inside a call: the counts stay on
+the device, the input buffer is cleaned in place, and the decision, like the phase times (CUDA
+events), is read once, when the backward ends.
+
+Damaged payloads: a payload that fails its CRC-32 (CPU tensors), does not parse, or holds codes that no
+encode writes is known only to the rank that received it. That rank decodes the call as zeros (or
+counts the bad codes) and goes on. When the backward ends, one small all-reduce a step sums those
+counts over the ranks, with whether any rank saw non-finite flags (a flag that arrived in a damaged
+payload is lost to its receiver), and every rank then raises :class:`gradq.PayloadError`
+(``nan_policy="raise"``; :class:`gradq.NonFiniteError` first where both) or skips the step as above
+(``"skip"``). No rank leaves the step while its peers wait in a collective.
 
 Error feedback (a spec such as ``ef(qsgd:bits=2)`` or a scheme that has it by default) keeps one
 residual per FSDP module and block: the size of the *unsharded* gradient, in float32, on every rank —
@@ -50,7 +58,8 @@ schemes (QSGD, TernGrad, MaxNorm…) need none, and are the path to take under F
 Steps: the calls of one backward form a step (closed by a callback at the end of the backward, after
 FSDP's own). ``last_stats`` describes the last step as the DDP hook's does (``bytes_sent``,
 ``coords``, ``quantized_coords``, ``bits_per_coord``, ``encode_seconds``, ``comm_seconds``,
-``decode_seconds``, ``skipped``, ``calls``); ``last_call`` the last call; ``totals`` the run.
+``decode_seconds``, ``skipped``, ``calls``, and ``agree_seconds``: the step's agreement below, which
+also waits for the slowest rank); ``last_call`` the last call; ``totals`` the run.
 Gradient accumulation with ``set_requires_gradient_sync(False)`` works as with stock FSDP2: the
 accumulating backwards make no call and are not steps.
 
@@ -68,12 +77,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from .errors import NonFiniteError
+from .errors import NonFiniteError, PayloadError
 from .factory import build
 from .fsdp_layout import Layout, Plan, read_segments, screen
 from .fsdp_wire import decode_sum, encode_rows
@@ -138,7 +148,8 @@ class GradqReduceScatter:
     Attributes:
         last_stats: the last step (module docstring); ``last_call``: the last call.
         totals: ``steps``, ``calls``, ``bytes_sent``, ``intra_node_bytes``, ``coords``, ``quantized_coords``,
-            ``skipped_steps``, ``policy_fallbacks`` and the three phase times summed over the run.
+            ``skipped_steps``, ``policy_fallbacks``, the three phase times and ``agree_seconds`` summed over the
+            run.
     """
 
     def __init__(self, spec: str | Quantizer, *, seed: int = 0, checksum: bool = True, min_numel: int = 10_000,
@@ -176,7 +187,7 @@ class GradqReduceScatter:
         self.totals: dict[str, float] = {"steps": 0, "calls": 0, "bytes_sent": 0, "intra_node_bytes": 0,
                                          "coords": 0, "quantized_coords": 0, "skipped_steps": 0,
                                          "policy_fallbacks": 0, "encode_seconds": 0.0, "comm_seconds": 0.0,
-                                         "decode_seconds": 0.0}
+                                         "decode_seconds": 0.0, "agree_seconds": 0.0}
         self._checked = False
         self._defer = False   # True: decide on non-finite values at the step's end, as on CUDA (for tests)
         self._step: Optional[dict[str, Any]] = None
@@ -312,6 +323,9 @@ class GradqReduceScatter:
                                      f"built for {self._local_group.size() * self._cross_group.size()}")
             self._checked = True
         self._begin_call()
+        assert self._step is not None
+        self._step.setdefault("group", group)   # (the step's agreement on damaged payloads runs over it)
+        self._step["device"] = input_tensor.device
         S = n // world
         plan = self._plan(S, layout)
         key = "rs" if layout is None else layout.key
@@ -345,16 +359,21 @@ class GradqReduceScatter:
 
         with phase(info, "comm"):
             recv, recv_sizes = _exchange(torch.cat(bufs), sizes, fixed, ex_group)
+        damage: dict[str, Any] = {}   # payloads this rank received damaged: refused at the step's end
         with phase(info, "decode"):
             total, bad_total = decode_sum(self.quantizer, recv, recv_sizes, plan, rows.dtype, rows.device, key,
-                                          world if kind == "avg" else None, factor, checksum=self.checksum)
+                                          world if kind == "avg" else None, factor, checksum=self.checksum,
+                                          info=damage)
             if defer:
                 total = torch.where(bad_total > 0, torch.zeros((), device=total.device), total)
             elif int(bad_total):
                 total.zero_()
             output_tensor.copy_(total.reshape(output_tensor.shape))
         sent = sum(sz for j, sz in enumerate(sizes) if j != ex_group.rank())
-        self._end_call(plan, S, sent, intra_bytes, info, bad, bad_total, key, defer)
+        if damage:
+            self._step["damage"].append((damage.get("damaged", 0) + damage.get("invalid", 0),
+                                         damage.get("damaged_what", []) + damage.get("invalid_what", [])))
+        self._end_call(plan, S, sent, intra_bytes, info, bad, bad_total, key)
 
     def _intra_node_sum(self, rows: torch.Tensor, bad: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Full precision inside the node: local rank ``l`` gets its node's sums of the blocks of ranks
@@ -384,15 +403,15 @@ class GradqReduceScatter:
             self._end_step()   # a backward that ended without our callback (it raised)
         self._step = {"step": self.steps, "calls": 0, "bytes_sent": 0, "intra_node_bytes": 0, "coords": 0,
                       "quantized_coords": 0, "encode_seconds": 0.0, "comm_seconds": 0.0, "decode_seconds": 0.0,
-                      "skipped": False, "policy_fallbacks": 0}
-        self._step.update(task=task, in_backward=task != -1, events=[], bad=[])
+                      "agree_seconds": 0.0, "skipped": False, "policy_fallbacks": 0}
+        self._step.update(task=task, in_backward=task != -1, events=[], bad=[], damage=[])
         if self._step["in_backward"]:   # runs after FSDP's own end-of-backward callback (queued earlier)
             from torch.autograd import Variable
 
             Variable._execution_engine.queue_callback(self._end_step)
 
     def _end_call(self, plan: Plan, S: int, sent: int, intra: int, info: dict[str, Any], bad: torch.Tensor,
-                  bad_total: torch.Tensor, key: str, defer: bool) -> None:
+                  bad_total: torch.Tensor, key: str) -> None:
         events = info.get("cuda_events")
         call = {"call": self.calls, "bytes_sent": sent, "intra_node_bytes": intra, "coords": S,
                 "quantized_coords": plan.n_comp, "policy_fallbacks": int(plan.fallback),
@@ -407,31 +426,53 @@ class GradqReduceScatter:
         step["events"].extend(events or ())
         step["bad"].append((key, bad, bad_total))
         self.calls += 1
-        if not defer and int(bad_total):   # CPU: decided in the call (on CUDA at the step's end)
-            self._nonfinite(step)
         if not step["in_backward"]:
             self._end_step()
 
-    def _nonfinite(self, step: dict[str, Any]) -> None:
-        """Act on the step's non-finite counts (equal on every rank): raise, or mark the step skipped."""
-        hits = [(key, int(mine), int(total)) for key, mine, total in step["bad"] if int(total)]
-        step["bad"] = []
-        if not hits:
-            return
-        if self.nan_policy == "raise":
-            self._end_step()
-            key, mine, total = hits[0]
+    def _agree(self, step: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+        """What every rank refuses of this step, agreed in one small all-reduce a step: the payloads
+        that arrived damaged or corrupt (known only to the rank that received each) and whether any
+        rank's payloads flagged non-finite gradients (every rank reads the flags, but a rank that
+        received a flag in a damaged payload could not). Returns the two refusals' messages, or None
+        for each. Without it one rank would leave the step while its peers went on into the next
+        collective."""
+        group = step.pop("group", None)
+        if group is None:   # (no call in this step)
+            return None, None
+        from .comm._util import collective
+
+        agreed = torch.zeros(2, dtype=torch.int64, device=step["device"])
+        for n, _ in step["damage"]:
+            agreed[0] += n    # (an int, or a count the decode kept on the device: no host read here)
+        for _, _, total in step["bad"]:
+            agreed[1] += total > 0
+        t0 = time.perf_counter()
+        collective("GradqReduceScatter's agreement on the step", dist.all_reduce, agreed, group=group)
+        damaged, flagged = agreed.tolist()   # (the step's one host read of them)
+        step["agree_seconds"] = time.perf_counter() - t0
+        damage = nonfinite = None
+        if damaged:
+            seen = [w for _, whats in step["damage"] for w in whats]
+            here = (f"; on this rank: {', '.join(seen[:4])}" if seen else
+                    "; on this rank: fields no encode writes" if step["damage"] else "")
+            damage = (f"GradqReduceScatter: {damaged} payload(s) of step {step['step']} arrived damaged or corrupt "
+                      f"over the ranks (CRC-32 mismatch, bytes that do not parse, or codes no encode writes){here}")
+        if flagged:
+            hits = [(key, int(mine), int(total)) for key, mine, total in step["bad"] if int(total)]
             what = "ranks" if self.intra_node else "values"
-            raise NonFiniteError(f"GradqReduceScatter: non-finite gradients in FSDP module {key!r} ({what} over the "
-                                 f"ranks: {total}; values on this rank: {mine}); nan_policy='raise'")
-        step["skipped"] = True
+            nonfinite = (f"GradqReduceScatter: non-finite gradients in FSDP module {hits[0][0]!r} ({what} over the "
+                         f"ranks: {hits[0][2]}; values on this rank: {hits[0][1]})" if hits else
+                         "GradqReduceScatter: non-finite gradients on another rank (their flag reached this rank in "
+                         "a damaged payload)")
+        return damage, nonfinite
 
     def _end_step(self) -> None:
         step = self._step
         if step is None:
             return
-        if step["bad"]:   # CUDA: the counts were left on the device until now (one host wait per step)
-            self._nonfinite(step)
+        damage, nonfinite = self._agree(step)   # (CUDA: the counts were left on the device until now)
+        if (damage or nonfinite) and self.nan_policy == "skip":
+            step["skipped"] = True
         self._step = None
         if step["events"]:
             t = {"encode": 0.0, "comm": 0.0, "decode": 0.0}
@@ -439,7 +480,7 @@ class GradqReduceScatter:
                 b.synchronize()
                 t[name] += a.elapsed_time(b) / 1000.0
             step.update({f"{k}_seconds": v for k, v in t.items()})
-        for k in ("in_backward", "task", "events", "bad"):
+        for k in ("in_backward", "task", "events", "bad", "damage", "device", "group"):
             step.pop(k, None)
         if step["skipped"] and self._model is not None:
             for p in self._model.parameters():
@@ -452,11 +493,18 @@ class GradqReduceScatter:
         self.last_stats = step
         tot = self.totals
         for k in ("bytes_sent", "intra_node_bytes", "coords", "quantized_coords", "encode_seconds", "comm_seconds",
-                  "decode_seconds", "policy_fallbacks", "calls"):
+                  "decode_seconds", "agree_seconds", "policy_fallbacks", "calls"):
             tot[k] += step[k]
         tot["steps"] += 1
         tot["skipped_steps"] += int(step["skipped"])
         self.steps += 1
+        if self.nan_policy == "raise":   # (every rank alike: the counts were summed over them)
+            if nonfinite:
+                raise NonFiniteError(f"{nonfinite}; nan_policy='raise'")
+            if damage:
+                raise PayloadError(f"{damage}; the step's gradients must not be used (nan_policy='raise')")
+        elif damage:
+            logger.warning("%s; the step was skipped (nan_policy='skip')", damage)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

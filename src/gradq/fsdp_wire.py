@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .comm import derive_seed
-from .comm._util import seal, seal_bytes, unseal
+from .comm._util import note_damage, refused_later, seal, seal_bytes, unseal
 from .errors import NonFiniteError, PayloadError
 from .fsdp_layout import Plan, screen
 from .quantizers.base import Quantizer
@@ -87,11 +87,18 @@ def encode_rows(q: Quantizer, rows: torch.Tensor, plan: Plan, owners: list[int],
 
 def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Plan, dtype: torch.dtype,
                device: torch.device, key: str, divide: Optional[int], factor: float, *,
-               checksum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               checksum: bool, info: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode the received payloads and reduce them, summed in rank order: divided by ``divide``
     (AVG), else times ``factor``. Returns ``(result, non-finite count over the senders)`` (the count
     a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype). The mean of the
-    compressed values is one fused pass (``decode_mean``) when every rank's payload is here."""
+    compressed values is one fused pass (``decode_mean``) when every rank's payload is here.
+
+    With ``info`` nothing raises on a payload this rank received damaged: one that failed its
+    checksum is counted in ``info["damaged"]`` and one that does not parse in ``info["invalid"]``
+    (the result is then zeros, and nothing of it is decoded), and fields that no encode writes are
+    counted in ``info["invalid"]`` by the decode (a device tensor where a GPU counted them). The
+    caller refuses the step on every rank (:class:`gradq.fsdp.GradqReduceScatter` agrees on the counts
+    at the step's end). Without ``info`` each raises :class:`gradq.PayloadError` here."""
     trailer = seal_bytes(device, checksum)
     fixed_parts = [q.expected_nbytes(b - a) for a, b in plan.parts]
     variable = any(f is None for f in fixed_parts)
@@ -100,18 +107,41 @@ def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Pl
     raws, flags = [], []
     for i, buf in enumerate(torch.split(recv, recv_sizes)):
         body, intact = unseal(buf, trailer)
+        what = f"the payload from rank {i} of module {key!r}"
         if not intact:
-            raise PayloadError(f"GradqReduceScatter: the payload from rank {i} of module {key!r} failed its "
-                               "checksum")
-        # (a received payload may start at any byte: views of wider types go through a copy)
-        lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
-        pos = head
-        for k, ((a, b), ln) in enumerate(zip(plan.parts, lens)):
-            parts[k].append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
-            pos += ln
+            if info is None:
+                raise PayloadError(f"GradqReduceScatter: {what} failed its checksum")
+            note_damage(info, f"{what} failed its checksum")
+            continue
+        try:
+            # (a received payload may start at any byte: views of wider types go through a copy)
+            lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
+            pos = head
+            for k, ((a, b), ln) in enumerate(zip(plan.parts, lens)):
+                parts[k].append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
+                pos += ln
+        except PayloadError as exc:
+            if info is None:
+                raise
+            info["invalid"] = info.get("invalid", 0) + 1
+            info.setdefault("invalid_what", []).append(f"{what} ({exc})")
+            continue
         raws.append(body[pos:body.numel() - FLAG])
         flags.append(body[body.numel() - FLAG:])
-    K = len(recv_sizes)
+    if len(flags) < len(recv_sizes):   # a damaged payload: nothing decoded, the step will be refused
+        return (torch.zeros(plan.S, dtype=torch.float32, device=device),
+                torch.zeros((), dtype=torch.int64, device=device))
+    if info is None:
+        return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor)
+    with refused_later(info):
+        return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor)
+
+
+def _reduce(q: Quantizer, parts: list[list[Any]], raws: list[torch.Tensor], flags: list[torch.Tensor], plan: Plan,
+            dtype: torch.dtype, device: torch.device, divide: Optional[int],
+            factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_sum`'s reduction of the parsed payloads."""
+    K = len(flags)
     total = torch.empty(plan.S, dtype=torch.float32, device=device)
     if plan.n_comp:
         one = len(plan.comp) == 1
