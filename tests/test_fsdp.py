@@ -177,22 +177,29 @@ def _case_damage(rank: int, world: int, tmp: str) -> dict:
     its CRC-32 fails; without, the byte becomes 0xFF, four 2-bit TernGrad codes of 3, which no encode
     writes. Only rank 1 can see it. In "both", rank 0 also has a NaN in its input at step 1 and every
     payload rank 1 receives from it in that step is damaged, so rank 1 reads none of rank 0's
-    non-finite flags. Returns every rank's rows."""
+    non-finite flags. In "elias", Elias-coded QSGD without checksums: the stream's own CRC-32 fails in
+    the decode. Returns every rank's rows."""
     from gradq.comm import scatter as scatter_mod
 
     real = scatter_mod._exchange
     out: dict = {}
-    for policy, checksum, both in (("raise", True, False), ("raise", False, False), ("skip", True, False),
-                                   ("skip", False, False), ("raise", True, True)):
+    tern, elias = "terngrad:pack=2bit", "qsgd:bits=4,coding=elias"
+    for name, spec, policy, checksum, both in (("raise-crc", tern, "raise", True, False),
+                                               ("raise-codes", tern, "raise", False, False),
+                                               ("skip-crc", tern, "skip", True, False),
+                                               ("skip-codes", tern, "skip", False, False),
+                                               ("both", tern, "raise", True, True),
+                                               ("elias", elias, "raise", False, False)):
         m = _shard(_model())
-        comm = gradq.register(m, "terngrad:pack=2bit", seed=1, nan_policy=policy, checksum=checksum, **ALL)
+        comm = gradq.register(m, spec, seed=1, nan_policy=policy, checksum=checksum, **ALL)
         state = {"t": 0, "done": False}
 
-        def damaged(send, sizes, fixed, group, _checksum=checksum, _every=both):
+        def damaged(send, sizes, fixed, group, _checksum=checksum, _every=both, _elias=spec == elias):
             recv, recv_sizes = real(send, sizes, fixed, group)
             if state["t"] == 1 and rank == 1 and (_every or not state["done"]):
-                # byte 40 of the payload from rank 0: a byte of its codes (after a 26-byte header)
-                recv[40] = recv[40] ^ 0x5A if _checksum else 0xFF
+                # byte 40 of the payload from rank 0: a byte of its codes (after a 26-byte header; of
+                # an Elias stream's coded codes)
+                recv[40] = recv[40] ^ 0x5A if _checksum or _elias else 0xFF
                 state["done"] = True
             return recv, recv_sizes
 
@@ -218,7 +225,7 @@ def _case_damage(rank: int, world: int, tmp: str) -> dict:
         every: list = [None] * world
         dist.all_gather_object(every, {"rows": rows, "skipped_steps": comm.totals["skipped_steps"],
                                        "steps": comm.totals["steps"]})
-        out["both" if both else f"{policy}-{'crc' if checksum else 'codes'}"] = every
+        out[name] = every
     return out
 
 
@@ -459,6 +466,10 @@ def test_a_damaged_payload_is_refused_on_every_rank_in_the_same_step(two_ranks):
         row = r["rows"][1]
         assert row.get("type") == "NonFiniteError" and r["rows"][2] == {"skipped": False, "zero": False}, (rank, row)
     assert "on another rank" in out["both"][1]["rows"][1]["error"]
+    for rank, r in enumerate(out["elias"]):   # a stream that does not read: refused alike, not raised alone
+        row = r["rows"][1]
+        assert row.get("type") == "PayloadError" and r["rows"][2] == {"skipped": False, "zero": False}, (rank, row)
+    assert "CRC-32 of the coded codes" in out["elias"][1]["rows"][1]["error"]
 
 
 def test_checkpoint_and_resume_continue_exactly(two_ranks):

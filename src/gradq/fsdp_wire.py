@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .comm import derive_seed
-from .comm._util import note_damage, refused_later, seal, seal_bytes, unseal
+from .comm._util import decoded_or_zeros, note_damage, refused_later, seal, seal_bytes, unseal
 from .errors import NonFiniteError, PayloadError
 from .fsdp_layout import Plan, screen
 from .quantizers.base import Quantizer
@@ -94,9 +94,10 @@ def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Pl
     compressed values is one fused pass (``decode_mean``) when every rank's payload is here.
 
     With ``info`` nothing raises on a payload this rank received damaged: one that failed its
-    checksum is counted in ``info["damaged"]`` and one that does not parse in ``info["invalid"]``
-    (the result is then zeros, and nothing of it is decoded), and fields that no encode writes are
-    counted in ``info["invalid"]`` by the decode (a device tensor where a GPU counted them). The
+    checksum is counted in ``info["damaged"]``, and one that does not parse or decode (an entropy-coded
+    stream whose own CRC fails) in ``info["invalid"]``; the result is then zeros. Fields that no
+    encode writes are counted in ``info["invalid"]`` by the decode (a device tensor where a GPU
+    counted them). The
     caller refuses the step on every rank (:class:`gradq.fsdp.GradqReduceScatter` agrees on the counts
     at the step's end). Without ``info`` each raises :class:`gradq.PayloadError` here."""
     trailer = seal_bytes(device, checksum)
@@ -128,13 +129,17 @@ def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Pl
             continue
         raws.append(body[pos:body.numel() - FLAG])
         flags.append(body[body.numel() - FLAG:])
-    if len(flags) < len(recv_sizes):   # a damaged payload: nothing decoded, the step will be refused
+    def zeros() -> tuple[torch.Tensor, torch.Tensor]:   # (a damaged payload: the step will be refused)
         return (torch.zeros(plan.S, dtype=torch.float32, device=device),
                 torch.zeros((), dtype=torch.int64, device=device))
+
+    if len(flags) < len(recv_sizes):   # nothing of a damaged payload is decoded
+        return zeros()
     if info is None:
         return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor)
-    with refused_later(info):
-        return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor)
+    with refused_later(info):   # (and a stream that does not read, such as an Elias stream's own CRC)
+        return decoded_or_zeros(info, lambda: _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor),
+                                zeros, f"the payloads of module {key!r}")
 
 
 def _reduce(q: Quantizer, parts: list[list[Any]], raws: list[torch.Tensor], flags: list[torch.Tensor], plan: Plan,
