@@ -114,21 +114,24 @@ def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Pl
                 raise PayloadError(f"GradqReduceScatter: {what} failed its checksum")
             note_damage(info, f"{what} failed its checksum")
             continue
-        try:
+
+        def parse(body: torch.Tensor = body) -> tuple[list[Any], int]:
             # (a received payload may start at any byte: views of wider types go through a copy)
             lens = body[:head].clone().view(torch.int32).tolist() if variable else fixed_parts
-            pos = head
-            for k, ((a, b), ln) in enumerate(zip(plan.parts, lens)):
-                parts[k].append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
+            got, pos = [], head
+            for (a, b), ln in zip(plan.parts, lens):
+                got.append(q.payload_from_bytes(body[pos:pos + ln], (b - a,), torch.float32, copy=False))
                 pos += ln
-        except PayloadError as exc:
-            if info is None:
-                raise
-            info["invalid"] = info.get("invalid", 0) + 1
-            info.setdefault("invalid_what", []).append(f"{what} ({exc})")
+            return got, pos
+
+        parsed = parse() if info is None else decoded_or_zeros(info, parse, lambda: None, what)
+        if parsed is None:   # (bytes that do not parse, counted in info)
             continue
-        raws.append(body[pos:body.numel() - FLAG])
+        for k, p in enumerate(parsed[0]):
+            parts[k].append(p)
+        raws.append(body[parsed[1]:body.numel() - FLAG])
         flags.append(body[body.numel() - FLAG:])
+
     def zeros() -> tuple[torch.Tensor, torch.Tensor]:   # (a damaged payload: the step will be refused)
         return (torch.zeros(plan.S, dtype=torch.float32, device=device),
                 torch.zeros((), dtype=torch.int64, device=device))
