@@ -285,7 +285,8 @@ MEMORY_SPECS = ["qsgd:bits=2,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=8
                 "qsgd:bits=4,bucket=512,norm=l2", "terngrad", "terngrad:pack=2bit", "maxnorm:bits=2", "maxnorm:bits=4",
                 "maxnorm:bits=8", "multiscale:bits=2+6", "randk-maxnorm:ratio=0.01,bits=4",
                 "randk-multiscale:ratio=0.01,bits=2+6", "orq:levels=5", "orq:levels=9", "linear:levels=5", "signsgd",
-                "onebit:ef=0", "bingrad-b", "bingrad-pb", "qsgd:bits=4,coding=elias"]
+                "onebit:ef=0", "bingrad-b", "bingrad-pb", "qsgd:bits=4,coding=elias", "topk:ratio=0.01",
+                "randk:ratio=0.01"]
 
 
 def _proc_status(key: str) -> int:

@@ -28,7 +28,7 @@ __all__ = ["SPECS", "precompile"]
 #: one spec per family of CPU kernels, ordered so that each reaches kernels the earlier ones did not
 SPECS = ("qsgd:bits=4", "qsgd:bits=4,norm=l2", "maxnorm:bits=4", "terngrad", "terngrad:pack=2bit",
          "multiscale:bits=2+6", "orq:levels=5", "linear:levels=5", "signsgd", "onebit", "bingrad-b",
-         "bingrad-pb", "qsgd:bits=4,coding=elias", "randk-maxnorm:ratio=0.3")
+         "bingrad-pb", "qsgd:bits=4,coding=elias", "randk-maxnorm:ratio=0.3", "topk:ratio=0.01")
 
 
 def _exercise(spec: str, numel: int) -> None:

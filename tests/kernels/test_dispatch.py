@@ -18,6 +18,7 @@ FIXED_WIDTH = [
     "multiscale", "multiscale:bits=2+4+8,bucket=64,norm=l2", "randk-multiscale:ratio=0.4", "randk-maxnorm:ratio=0.3",
     "orq", "orq:levels=3,bucket=100", "orq:levels=17,bucket=none", "linear:levels=9",
     "bingrad-b", "bingrad-b:iters=2,bucket=77", "signsgd", "onebit:ef=0", "bingrad-pb",
+    "topk:ratio=0.05", "topk:k=300",   # (not fixed-width: a selection kernel, the same bytes all the same)
 ]
 
 

@@ -53,7 +53,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
+           "multiscale_decode", "random_subset", "topk_select", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
            "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields",
            "elias_encode", "elias_decode", "sum_is_finite", "crc32_field",
            "deferred_checks", "DeferredChecks"]
@@ -400,6 +400,21 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
         from . import triton_subset
         return triton_subset.random_subset(n, k, seed, device)
     return (subset if b == "numba" else reference).random_subset(n, k, seed, device)
+
+
+def topk_select(x: torch.Tensor, k: int, index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K's fields of a float32 vector: ``(x[idx], idx)``, ``idx`` the sorted indices of its ``k``
+    largest magnitudes, ties to the lower index, as ``index_dtype`` (int32 or int64), the same on
+    every device (:func:`gradq.kernels.reference.topk_indices`). On the CPU a numba selection in
+    three passes with no input-sized temporary; elsewhere the reference (one ``torch.topk`` of
+    ``n`` int64 keys: no Triton kernel yet)."""
+    n = x.numel()
+    if k < 0 or k > n:
+        raise ValueError(f"cannot keep k={k} of n={n} coordinates")
+    if (0 < k < n <= 1 << 32 and backend_for(x) == "numba" and x.dtype == torch.float32
+            and x.is_contiguous() and index_dtype in (torch.int32, torch.int64)):
+        return subset.topk_select(x, k, index_dtype)
+    return reference.topk_select(x, k, index_dtype)
 
 
 def sum_is_finite(t: torch.Tensor) -> bool:

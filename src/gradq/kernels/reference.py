@@ -49,6 +49,7 @@ __all__ = [
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
     "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
     "sign_scale_stats", "onebit_stats", "bingrad_b_stats", "one_bit_stats", "random_subset",
+    "topk_indices", "topk_select",
 ]
 
 RngLike = Union[RandomStream, int]
@@ -425,6 +426,36 @@ def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu")
     keys = (bits << w) | torch.arange(n, dtype=torch.int64, device=bits.device)
     sel = torch.topk(keys, k, largest=False, sorted=False).indices
     return torch.sort(sel).values
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest ``|x_i|`` of a float32 vector (``0 ≤ k ≤ n``), ties
+    broken towards the lower index: a pure function of ``x``, identical on every device.
+
+    The magnitude's bit pattern ``bits(x_i) & 0x7FFFFFFF`` orders like ``|x_i|`` (NaN above +Inf), so
+    for ``n ≤ 2**32`` the key ``(bits << 32) | (2**32 − 1 − i)`` is unique per coordinate and one
+    ``torch.topk`` on it is exact and deterministic; larger vectors use a stable descending sort."""
+    n = x.numel()
+    if k < 0 or k > n:
+        raise ValueError(f"cannot keep k={k} of n={n} coordinates")
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    if k == n:
+        return torch.arange(n, dtype=torch.int64, device=x.device)
+    if n <= (1 << 32):
+        mbits = x.reshape(-1).view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+        keys = (mbits << 32) | ((1 << 32) - 1 - torch.arange(n, dtype=torch.int64, device=x.device))
+        sel = torch.topk(keys, k, largest=True, sorted=False).indices
+    else:  # pragma: no cover - needs a > 16 GiB tensor
+        sel = torch.sort(x.reshape(-1).abs(), descending=True, stable=True).indices[:k]
+    return torch.sort(sel).values
+
+
+def topk_select(x: torch.Tensor, k: int, index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K's fields of a float32 vector: ``(x[idx], idx)``, ``idx`` = :func:`topk_indices` as
+    ``index_dtype``."""
+    idx = topk_indices(x, k)
+    return x.reshape(-1)[idx].contiguous(), idx.to(index_dtype)
 
 
 def subset_index_bits(n: int) -> int:

@@ -63,24 +63,9 @@ def shared_random_indices(n: int, k: int, seed: int, device: torch.device | str 
 
 
 def topk_indices(v: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indices of the ``k`` largest ``|v_i|``, ties broken towards the lower index.
-
-    ``|v|`` (finite float32, non-negative) has bit patterns ordered like its values, so for
-    ``n ≤ 2**32`` the key ``(bits(|v_i|) << 32) | (2**32 − 1 − i)`` is unique per coordinate and one
-    ``torch.topk`` on it is exact and deterministic; larger vectors use a stable descending sort."""
-    n = v.numel()
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=v.device)
-    if k == n:
-        return torch.arange(n, dtype=torch.int64, device=v.device)
-    mag = v.abs()
-    if n <= (1 << 32):
-        mbits = mag.view(torch.int32).to(torch.int64)
-        keys = (mbits << 32) | ((1 << 32) - 1 - torch.arange(n, dtype=torch.int64, device=v.device))
-        sel = torch.topk(keys, k, largest=True, sorted=False).indices
-    else:  # pragma: no cover - needs a > 16 GiB tensor
-        sel = torch.sort(mag, descending=True, stable=True).indices[:k]
-    return torch.sort(sel).values
+    """Sorted int64 indices of the ``k`` largest ``|v_i|`` of a float32 vector, ties broken towards
+    the lower index (:func:`gradq.kernels.topk_select`, whose reference states the keys)."""
+    return kernels.topk_select(v.reshape(-1), k)[1]
 
 
 def signed64(seed: int) -> int:
@@ -138,8 +123,8 @@ class TopK(_Sparse):
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         n = v.numel()
-        idx = topk_indices(v, self.count(n))
-        return {"values": v[idx].contiguous(), "indices": idx.to(self.index_dtype(n))}
+        values, idx = kernels.topk_select(v, self.count(n), self.index_dtype(n))
+        return {"values": values, "indices": idx}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32, device=fields["values"].device)
