@@ -296,3 +296,53 @@ def test_a_corrupt_topk_payload_leaves_out_untouched():
         with pytest.raises(gradq.PayloadError):
             q.decode(Payload(p.spec, p.shape, p.dtype, p.numel, fields), out=out)
         assert bool((out == 7.0).all()), bad
+
+
+# -- the mean of several payloads ----------------------------------------------------------------
+def _generic_mean(q, payloads):
+    """Base's ``decode_mean``: a dense decode of each payload, added in list order, then ``/ M``."""
+    acc = q.decode(payloads[0]).clone()
+    for p in payloads[1:]:
+        acc += q.decode(p)
+    return acc.div_(len(payloads))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.9", "topk:k=1", "topk:ratio=1"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_topk_decode_mean_is_the_generic_sum_bit_for_bit(spec, m):
+    """Payloads that overlap in part, with signed zeros among the kept values (nine in ten values
+    are ±0.0, so ratio=0.9 keeps many): the sparse mean equals the dense sum's bits, −0.0 included."""
+    q = gradq.build(spec)
+    payloads = []
+    for j in range(m):
+        x = _vec(3000, seed=20 + j)
+        x[torch.rand(3000, generator=torch.Generator().manual_seed(j)) < 0.9] = 0.0
+        x[::2] *= -1.0                                   # -0.0 at the even zeros of every payload
+        payloads.append(q.encode(x, seed=j))
+    want = _generic_mean(q, payloads)
+    got = q.decode_mean(payloads, out=torch.full((3000,), float("nan")))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    if m > 1 and spec == "topk:ratio=0.9":
+        # the case the mean must get right is here: adding each later payload at its positions only
+        # leaves a −0.0 of the first payload where the dense sum added a later payload's +0.0
+        naive = torch.zeros(3000)
+        for j, p in enumerate(payloads):
+            idx, v = p.fields["indices"].long(), p.fields["values"]
+            if j == 0:
+                naive[idx] = v
+            else:
+                naive.index_add_(0, idx, v)
+        assert not torch.equal(naive.div_(m).view(torch.int32), want.view(torch.int32))
+
+
+def test_a_corrupt_payload_in_a_topk_mean_leaves_out_untouched():
+    q = gradq.build("topk:ratio=0.05")
+    good = q.encode(_vec(1000, 5), seed=0)
+    p = q.encode(_vec(1000, 6), seed=1)
+    fields = dict(p.fields)
+    fields["indices"] = fields["indices"].flip(0).contiguous()
+    bad = Payload(p.spec, p.shape, p.dtype, p.numel, fields)
+    out = torch.full((1000,), 7.0)
+    with pytest.raises(gradq.PayloadError, match="strictly increasing"):
+        q.decode_mean([good, bad], out=out)
+    assert bool((out == 7.0).all())

@@ -26,7 +26,7 @@ The shared selection (:func:`shared_random_indices`) is also used by GlobalRandK
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -131,18 +131,49 @@ class TopK(_Sparse):
         self._decode_into(fields, numel, out)
         return out
 
-    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        """Zeros and the kept values straight into ``out`` (checked before ``out`` is touched)."""
-        values, idx = fields["values"], fields["indices"].to(torch.int64)
+    def _indices(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+        """The payload's indices as int64 on ``device``, refused unless strictly increasing in ``[0, numel)``."""
+        idx = fields["indices"].to(device=device, dtype=torch.int64)
         if idx.numel():
-            lo, hi = int(idx.min()), int(idx.max())
+            lo, hi = int(idx[0]), int(idx[-1])
             if lo < 0 or hi >= numel:
                 raise PayloadError(f"{self.name}: index out of range [0, {numel}) in payload "
-                                   f"(min {lo}, max {hi}); corrupt payload")
+                                   f"(first {lo}, last {hi}); corrupt payload")
             if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
                 raise PayloadError(f"{self.name}: payload indices are not strictly increasing; corrupt payload")
+        return idx
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        """Zeros and the kept values straight into ``out`` (checked before ``out`` is touched)."""
+        idx = self._indices(fields, numel, out.device)
         out.zero_()
-        out[idx.to(out.device)] = values.to(device=out.device, dtype=torch.float32)
+        out[idx] = fields["values"].to(device=out.device, dtype=torch.float32)
+        return True
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        """The mean without a dense decode per payload: the first payload's values, each later
+        payload's added at its ``K`` positions in list order, then ``/ M``; every payload is checked
+        before ``out`` is touched.
+
+        Bit for bit the generic ``((d_0 + d_1) + …) / M``: it also adds ``+0.0`` wherever a payload
+        does not hold a position, which changes a value only where it is ``−0.0``; a sum is ``−0.0``
+        there only if the first payload held ``−0.0`` and every later one held ``−0.0`` or nothing,
+        so those positions that a later payload misses get the ``+ 0.0`` here."""
+        idxs = [self._indices(f, numel, out.device) for f in fields]
+        vals = [f["values"].to(device=out.device, dtype=torch.float32) for f in fields]
+        out.zero_()
+        out[idxs[0]] = vals[0]
+        for idx, v in zip(idxs[1:], vals[1:]):
+            out.index_add_(0, idx, v)            # (indices distinct: each position once, in list order)
+        negative_zero = idxs[0][(vals[0] == 0) & torch.signbit(vals[0])]
+        if negative_zero.numel() and len(fields) > 1:
+            missed = torch.zeros_like(negative_zero, dtype=torch.bool)
+            for idx in idxs[1:]:
+                missed |= ~torch.isin(negative_zero, idx)
+            at = negative_zero[missed]
+            out[at] = out[at] + 0.0
+        out.div_(len(fields))
         return True
 
 
