@@ -346,3 +346,44 @@ def test_a_corrupt_payload_in_a_topk_mean_leaves_out_untouched():
     with pytest.raises(gradq.PayloadError, match="strictly increasing"):
         q.decode_mean([good, bad], out=out)
     assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("spec", ["randk:ratio=0.05", "randk:ratio=0.9,rescale=1", "randk:k=1"])
+@pytest.mark.parametrize("seeds", ["shared", "each its own", "two"])
+def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatch, spec, seeds):
+    """Bit for bit the dense sum (signed zeros among the values), with the coordinates of each
+    distinct shared seed selected once: the DDP hook's workers share one seed, so one selection."""
+    import gradq.quantizers.sparse as sparse
+
+    q = gradq.build(spec)
+    shared = {"shared": [7] * 4, "each its own": [7, 8, 9, 10], "two": [7, 8, 7, 8]}[seeds]
+    payloads = []
+    for j, s in enumerate(shared):
+        x = _vec(3000, seed=30 + j)
+        x[torch.rand(3000, generator=torch.Generator().manual_seed(j)) < 0.9] = 0.0
+        x[::2] *= -1.0
+        payloads.append(q.encode(x, seed=j, shared_seed=s))
+    want = _generic_mean(q, payloads)
+    calls = []
+    real = sparse.shared_random_indices
+    monkeypatch.setattr(sparse, "shared_random_indices", lambda *a: calls.append(a) or real(*a))
+    got = q.decode_mean(payloads, out=torch.full((3000,), float("nan")))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert len(calls) == len(set(shared))
+
+
+def test_the_mean_benchmark_runs_and_checks_its_bits(capsys):
+    """``benchmarks/bench_mean.py`` on a small vector: it compares decode_mean with the dense mean
+    (and exits on a difference) before it times anything."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "bench_mean.py")
+    spec = importlib.util.spec_from_file_location("bench_mean", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--n", "20000", "--payloads", "1", "3", "--repeats", "1", "--spec", "topk:ratio=0.5",
+                "--spec", "randk:k=7"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| topk") or
+            line.startswith("| randk")]
+    assert len(rows) == 4

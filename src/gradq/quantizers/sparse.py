@@ -87,6 +87,33 @@ class _Sparse(Quantizer):
         """Coordinates kept, ``K``, for a tensor of ``numel`` coordinates."""
         return select_count(numel, self.k, self.ratio)
 
+    @staticmethod
+    def _mean_at(idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
+        """``out`` = the mean of the sparse decodes ``(idxs[j], vals[j])`` (distinct int64 positions,
+        float32 values): the first payload's values, each later payload's added at its positions in
+        list order, then ``/ M``.
+
+        Bit for bit the generic ``((d_0 + d_1) + …) / M`` of dense decodes: that also adds ``+0.0``
+        wherever a payload does not hold a position, which changes a value only where it is
+        ``−0.0``; a sum is ``−0.0`` there only if the first payload held ``−0.0`` and every later
+        one held ``−0.0`` or nothing, so those positions that a later payload misses get the
+        ``+ 0.0`` here."""
+        vals = [v.to(device=out.device, dtype=torch.float32) for v in vals]
+        out.zero_()
+        out[idxs[0]] = vals[0]
+        for idx, v in zip(idxs[1:], vals[1:]):
+            out.index_add_(0, idx, v)            # (indices distinct: each position once, in list order)
+        negative_zero = idxs[0][(vals[0] == 0) & torch.signbit(vals[0])]
+        if negative_zero.numel() and len(idxs) > 1:
+            missed = torch.zeros_like(negative_zero, dtype=torch.bool)
+            for idx in idxs[1:]:
+                if idx is not idxs[0]:
+                    missed |= ~torch.isin(negative_zero, idx)
+            at = negative_zero[missed]
+            out[at] = out[at] + 0.0
+        out.div_(len(idxs))
+        return True
+
     def _count_items(self) -> list[tuple[str, str]]:
         if self.k is not None:
             return [("k", str(self.k))]
@@ -152,29 +179,10 @@ class TopK(_Sparse):
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
-        """The mean without a dense decode per payload: the first payload's values, each later
-        payload's added at its ``K`` positions in list order, then ``/ M``; every payload is checked
-        before ``out`` is touched.
-
-        Bit for bit the generic ``((d_0 + d_1) + …) / M``: it also adds ``+0.0`` wherever a payload
-        does not hold a position, which changes a value only where it is ``−0.0``; a sum is ``−0.0``
-        there only if the first payload held ``−0.0`` and every later one held ``−0.0`` or nothing,
-        so those positions that a later payload misses get the ``+ 0.0`` here."""
+        """The mean of the payloads' decodes without a dense decode each (:meth:`_Sparse._mean_at`);
+        every payload's indices are checked before ``out`` is touched."""
         idxs = [self._indices(f, numel, out.device) for f in fields]
-        vals = [f["values"].to(device=out.device, dtype=torch.float32) for f in fields]
-        out.zero_()
-        out[idxs[0]] = vals[0]
-        for idx, v in zip(idxs[1:], vals[1:]):
-            out.index_add_(0, idx, v)            # (indices distinct: each position once, in list order)
-        negative_zero = idxs[0][(vals[0] == 0) & torch.signbit(vals[0])]
-        if negative_zero.numel() and len(fields) > 1:
-            missed = torch.zeros_like(negative_zero, dtype=torch.bool)
-            for idx in idxs[1:]:
-                missed |= ~torch.isin(negative_zero, idx)
-            at = negative_zero[missed]
-            out[at] = out[at] + 0.0
-        out.div_(len(fields))
-        return True
+        return self._mean_at(idxs, [f["values"] for f in fields], out)
 
 
 @register("randk")
@@ -218,14 +226,35 @@ class RandK(_Sparse):
         self._decode_into(fields, numel, out)
         return out
 
-    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
-        """Zeros and the kept values straight into ``out``."""
-        values = fields["values"].to(device=out.device, dtype=torch.float32)
+    def _kept(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device,
+              chosen: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, values)`` of a payload on ``device``: the coordinates its seed selects (looked
+        up in ``chosen``, by seed and count, where given) and its values (times ``n/K`` with rescale)."""
+        values = fields["values"].to(device=device, dtype=torch.float32)
         kk = values.numel()
         seed = int(fields["seed"].reshape(-1)[0].item()) & _U64
-        idx = shared_random_indices(numel, kk, seed, out.device)
+        if chosen is None or (seed, kk) not in chosen:
+            idx = shared_random_indices(numel, kk, seed, device)
+            if chosen is not None:
+                chosen[(seed, kk)] = idx
+        else:
+            idx = chosen[(seed, kk)]
         if self.rescale and kk:
             values = values * (numel / kk)
+        return idx, values
+
+    def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
+        """Zeros and the kept values straight into ``out``."""
+        idx, values = self._kept(fields, numel, out.device)
         out.zero_()
         out[idx] = values
         return True
+
+    def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
+                          out: torch.Tensor) -> bool:
+        """The mean of the payloads' decodes without a dense decode each (:meth:`_Sparse._mean_at`),
+        each distinct seed's coordinates selected once (workers that share a seed, as the DDP hook's
+        do, share them all)."""
+        chosen: dict = {}
+        kept = [self._kept(f, numel, out.device, chosen) for f in fields]
+        return self._mean_at([k[0] for k in kept], [k[1] for k in kept], out)
