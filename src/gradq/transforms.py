@@ -174,7 +174,9 @@ class ErrorFeedback(Quantizer):
         u = self._corrected(x, name, state, screen=check_finite or not self.skips_finite_check(x, shared))
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
-        new = state.with_residual(name, u - self.inner.decode(payload).to(torch.float32))
+        if not self.inner.subtract_decode_(u, payload):   # (u is this call's own: x + e, new)
+            u = u - self.inner.decode(payload).to(torch.float32)
+        new = state.with_residual(name, u)
         return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields), new
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,

@@ -369,7 +369,7 @@ def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatc
     monkeypatch.setattr(sparse, "shared_random_indices", lambda *a: calls.append(a) or real(*a))
     got = q.decode_mean(payloads, out=torch.full((3000,), float("nan")))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert len(calls) == len(set(shared))
+    assert len(calls) == len(set(shared) - {shared[-1]})   # (q's last encode's selection is kept)
 
 
 def test_the_mean_benchmark_runs_and_checks_its_bits(capsys):
@@ -387,3 +387,46 @@ def test_the_mean_benchmark_runs_and_checks_its_bits(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| topk") or
             line.startswith("| randk")]
     assert len(rows) == 4
+
+
+# -- error feedback's residual --------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["ef(topk:ratio=0.3)", "ef(topk:k=1)", "ef(randk:ratio=0.3)",
+                                  "ef(randk:ratio=0.3,rescale=1)"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_error_feedback_residual_without_a_dense_decode(monkeypatch, spec, layout):
+    """The residual ``u − decode(Q(u))`` from the kept positions only is bit for bit the dense one,
+    step after step (signed zeros among the gradients); a transposed gradient takes the dense way."""
+    fast, dense = gradq.build(spec), gradq.build(spec)
+    monkeypatch.setattr(dense.inner, "subtract_decode_", lambda u, p: False)
+    decodes = []
+    real = fast.inner.decode
+    monkeypatch.setattr(fast.inner, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    for step in range(3):
+        x = _vec(60 * 50, seed=40 + step).reshape(60, 50)
+        x[x.abs() < 0.5] = 0.0
+        x[::2] *= -1.0
+        if layout == "transposed":
+            x = x.t()
+        a = fast.encode(x, seed=step, shared_seed=9 + step, name="w")
+        b = dense.encode(x, seed=step, shared_seed=9 + step, name="w")
+        assert a.same_bytes(b)
+        ra, rb = fast.residuals["w"], dense.residuals["w"]
+        assert torch.equal(ra.view(torch.int32), rb.view(torch.int32)), step
+    assert (decodes == []) == (layout == "contiguous")
+
+
+def test_randk_decodes_its_own_payload_without_selecting_again(monkeypatch):
+    import gradq.quantizers.sparse as sparse
+
+    q = gradq.build("randk:ratio=0.1")
+    x = _vec(5000, seed=50)
+    p = q.encode(x, seed=0, shared_seed=11)
+    other = gradq.build("randk:ratio=0.1").encode(x, seed=0, shared_seed=12)
+    calls = []
+    real = sparse.shared_random_indices
+    monkeypatch.setattr(sparse, "shared_random_indices", lambda *a: calls.append(a) or real(*a))
+    want = gradq.build("randk:ratio=0.1").decode(p)
+    assert len(calls) == 1                                    # (a fresh quantizer selects)
+    assert torch.equal(q.decode(p), want) and len(calls) == 1   # (the encoder does not)
+    q.decode(other)
+    assert len(calls) == 2

@@ -313,6 +313,13 @@ class Quantizer:
         """Decode straight into the flat float32 ``out`` if this scheme has such a path (return True)."""
         return False
 
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
+        """``u −= decode(payload)`` in place, bit for bit, where the scheme can without a dense decode
+        (the sparse schemes: their ``K`` values at their positions); ``False`` where it cannot, and
+        ``u`` is then untouched. ``u``: float32, the payload's coordinates, sharing no memory with its
+        fields (error feedback's residual of a payload it just encoded)."""
+        return False
+
     def decode_mean(self, payloads: Sequence[Payload], *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The mean of the decodes of several payloads of one shape and dtype (e.g. every worker's
         payload for one chunk): ``(((d_0 + d_1) + d_2) + …) / M``, added in list order in the payloads'

@@ -33,6 +33,7 @@ import torch
 from ..errors import PayloadError, SpecError
 from .. import kernels
 from ..spec import BoolParam, FloatParam, IntParam, register
+from ..payload import Payload
 from .base import EncodeContext, Quantizer
 
 __all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64"]
@@ -114,6 +115,17 @@ class _Sparse(Quantizer):
         out.div_(len(idxs))
         return True
 
+    @staticmethod
+    def _subtract_at(u: torch.Tensor, payload: Payload, kept) -> bool:
+        """``u.view(-1)[idx] -= values`` with ``(idx, values) = kept()``, for a contiguous float32 ``u``
+        of the payload's coordinates (else ``False``, ``u`` untouched): bit for bit ``u − decode``."""
+        if u.dtype != torch.float32 or not u.is_contiguous() or u.numel() != payload.numel:
+            return False
+        idx, values = kept()
+        flat = u.view(-1)
+        flat[idx] = flat[idx] - values.to(device=u.device, dtype=torch.float32)
+        return True
+
     def _count_items(self) -> list[tuple[str, str]]:
         if self.k is not None:
             return [("k", str(self.k))]
@@ -184,6 +196,11 @@ class TopK(_Sparse):
         idxs = [self._indices(f, numel, out.device) for f in fields]
         return self._mean_at(idxs, [f["values"] for f in fields], out)
 
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
+        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``)."""
+        return self._subtract_at(u, payload, lambda: (self._indices(payload.fields, payload.numel, u.device),
+                                                      payload.fields["values"]))
+
 
 @register("randk")
 class RandK(_Sparse):
@@ -217,7 +234,9 @@ class RandK(_Sparse):
         if ctx.shared_seed is None:  # the base always supplies one; guard direct calls
             raise ValueError(f"{self.name}: needs a shared seed")
         n = v.numel()
-        idx = shared_random_indices(n, self.count(n), ctx.shared_seed, v.device)
+        kk = self.count(n)
+        idx = shared_random_indices(n, kk, ctx.shared_seed, v.device)
+        self._last = (n, kk, int(ctx.shared_seed) & _U64, idx)   # (a decode of the same seed next: no reselection)
         seed = torch.tensor([signed64(ctx.shared_seed)], dtype=torch.int64, device=v.device)
         return {"values": v[idx].contiguous(), "seed": seed}
 
@@ -233,12 +252,15 @@ class RandK(_Sparse):
         values = fields["values"].to(device=device, dtype=torch.float32)
         kk = values.numel()
         seed = int(fields["seed"].reshape(-1)[0].item()) & _U64
-        if chosen is None or (seed, kk) not in chosen:
-            idx = shared_random_indices(numel, kk, seed, device)
-            if chosen is not None:
-                chosen[(seed, kk)] = idx
-        else:
+        last = getattr(self, "_last", None)
+        if chosen is not None and (seed, kk) in chosen:
             idx = chosen[(seed, kk)]
+        elif last is not None and last[:3] == (numel, kk, seed) and last[3].device == torch.device(device):
+            idx = last[3]                        # the selection of this quantizer's last encode
+        else:
+            idx = shared_random_indices(numel, kk, seed, device)
+        if chosen is not None:
+            chosen[(seed, kk)] = idx
         if self.rescale and kk:
             values = values * (numel / kk)
         return idx, values
@@ -258,3 +280,7 @@ class RandK(_Sparse):
         chosen: dict = {}
         kept = [self._kept(f, numel, out.device, chosen) for f in fields]
         return self._mean_at([k[0] for k in kept], [k[1] for k in kept], out)
+
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
+        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``)."""
+        return self._subtract_at(u, payload, lambda: self._kept(payload.fields, payload.numel, u.device))
