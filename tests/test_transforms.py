@@ -69,13 +69,17 @@ def test_state_dict_refuses_another_spec():
         gradq.build("ef(qsgd:bits=4)").load_state_dict(state)
 
 
-def test_non_finite_input_does_not_touch_the_residual():
-    ef = gradq.build("ef(qsgd)")
+@pytest.mark.parametrize("spec", ["ef(qsgd)", "ef(topk:ratio=0.5)", "ef(signsgd)", "ef(terngrad)"])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_non_finite_input_does_not_touch_the_residual(spec, bad_value):
+    """NaN or Inf in x raises, naming the tensor, and leaves the residual (the inner encode screens
+    x + e, or reads its witness: the wrapper does not screen x a second time)."""
+    ef = gradq.build(spec)
     ef.encode(torch.ones(8), seed=0, name="w")
     before = ef.residuals["w"].clone()
     bad = torch.ones(8)
-    bad[2] = float("nan")
-    with pytest.raises(gradq.NonFiniteError):
+    bad[2] = bad_value
+    with pytest.raises(gradq.NonFiniteError, match="w"):
         ef.encode(bad, seed=1, name="w")
     assert torch.equal(ef.residuals["w"], before)
 
@@ -128,3 +132,19 @@ def test_explicit_state_for_summable_codes():
     codes, state = ef.encode_codes_with(x, ef.init_state(), seed=1, name="p")
     assert torch.equal(codes, ef.encode_codes(x, seed=1, name="p"))
     assert torch.equal(state.residuals["p"], ef.residuals["p"])
+
+
+@pytest.mark.parametrize("spec", ["ef(none)", "ef(fp16)", "ef(qsgd:bits=2)", "ef(terngrad)"])
+def test_the_residual_is_the_input_less_its_decode_and_the_payload_is_kept(spec):
+    """The residual is made in place in x + e where no field of the payload is that memory (``none``
+    sends it as it is): the payload still holds what was encoded, and e = u − decode(payload)."""
+    ef = gradq.build(spec)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    ef.encode(x, seed=0, name="w")
+    e = ef.residuals["w"].clone()
+    p = ef.encode(x, seed=1, name="w")
+    u = x + e
+    assert torch.equal(ef.residuals["w"], u - ef.decode(p))
+    again = gradq.build(spec).inner.encode(u, seed=1, name="w")
+    assert p.fields.keys() == again.fields.keys()
+    assert all(torch.equal(p.fields[k], again.fields[k]) for k in p.fields)

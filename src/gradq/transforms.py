@@ -171,11 +171,19 @@ class ErrorFeedback(Quantizer):
         """One error-feedback step on an explicit state: the payload of ``x + e[name]`` and the next
         state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed.
         ``check_finite``: as in :meth:`gradq.Quantizer.encode`."""
-        u = self._corrected(x, name, state, screen=check_finite or not self.skips_finite_check(x, shared))
+        # (no screen of x here: the inner encode screens u = x + e, or reads its witness, wherever this
+        # one would have screened x, and a NaN or Inf in x is one in u)
+        u = self._corrected(x, name, state, screen=False)
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
         if not self.inner.subtract_decode_(u, payload):   # (u is this call's own: x + e, new)
-            u = u - self.inner.decode(payload).to(torch.float32)
+            decoded = self.inner.decode(payload).to(torch.float32)
+            # in place unless a field of the payload is u's memory (a cast that kept u as its field)
+            ours = u.untyped_storage().data_ptr()
+            if all(f.untyped_storage().data_ptr() != ours for f in payload.fields.values()):
+                u.sub_(decoded)
+            else:
+                u = u - decoded
         new = state.with_residual(name, u)
         return Payload(self.spec, tuple(x.shape), x.dtype, payload.numel, payload.fields), new
 
