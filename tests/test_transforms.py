@@ -148,3 +148,52 @@ def test_the_residual_is_the_input_less_its_decode_and_the_payload_is_kept(spec)
     again = gradq.build(spec).inner.encode(u, seed=1, name="w")
     assert p.fields.keys() == again.fields.keys()
     assert all(torch.equal(p.fields[k], again.fields[k]) for k in p.fields)
+
+
+@pytest.mark.parametrize("entry", ["shared_stats", "encode_codes"])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_non_finite_input_on_the_summable_path(entry, bad_value):
+    """The same on the integer all-reduce's entry points: the inner screens x + e."""
+    ef = gradq.build("ef(maxnorm:bits=4)")
+    x = torch.randn(64)
+    w = {"scale": torch.tensor([float(x.abs().max()) * 2])}
+    ef.encode_codes(x, shared=w, seed=0, name="w")
+    before = ef.residuals["w"].clone()
+    bad = x.clone()
+    bad[5] = bad_value
+    with pytest.raises(gradq.NonFiniteError, match="w"):
+        if entry == "shared_stats":
+            ef.shared_stats(bad, name="w")
+        else:
+            ef.encode_codes(bad, shared=w, seed=1, name="w")
+    assert torch.equal(ef.residuals["w"], before)
+
+
+@pytest.mark.parametrize("spec", ["ef(maxnorm:bits=4)", "ef(maxnorm:bits=2,bucket=64)", "ef(maxnorm:bits=8)",
+                                  "ef(terngrad)"])
+def test_fields_and_codes_give_the_same_codes_and_residuals(spec):
+    """The integer all-reduce's fast path under error feedback (encode_fields, the inner's fused
+    kernels) gives the codes and residuals of encode_codes, bit for bit, step after step."""
+    a, b = gradq.build(spec), gradq.build(spec)
+    if not a.summable:
+        pytest.skip("not summable")
+    for step in range(3):
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(step))
+        shared = {k: s.value for k, s in a.shared_stats(x, name="w").items()}
+        assert all(torch.equal(v, b.shared_stats(x, name="w")[k].value) for k, v in shared.items())
+        fields = a.encode_fields(x, shared=shared, seed=step, name="w")
+        codes = b.encode_codes(x, shared=shared, seed=step, name="w")
+        assert fields is not None and fields.dtype == torch.uint8
+        assert torch.equal(fields.to(torch.int64) - a.max_code, codes.to(torch.int64))
+        ra, rb = a.residuals["w"], b.residuals["w"]
+        assert torch.equal(ra.view(torch.int32), rb.view(torch.int32)), step
+        avg = a.decode_field_sum(fields, shared=shared, count=1, like=x)
+        assert torch.equal(avg, b.decode_codes(codes, shared=shared, count=1, like=x))
+
+
+def test_fields_are_none_and_the_residual_untouched_without_a_fields_path():
+    ef = gradq.build("ef(randk-maxnorm:ratio=0.5)")   # (a shared seed: no fields path)
+    x = torch.randn(100)
+    shared = {k: s.value for k, s in ef.shared_stats(x, shared_seed=3).items()}
+    assert ef.encode_fields(x, shared=shared, seed=0, shared_seed=3, name="w") is None
+    assert ef.residuals == {}

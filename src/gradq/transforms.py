@@ -161,7 +161,7 @@ class ErrorFeedback(Quantizer):
     # -- quantizer interface -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
                      name: Optional[str] = None, check_finite: bool = True) -> dict[str, SharedStat]:
-        u = self._corrected(x, name, self.state, screen=self._screens(x, check_finite))
+        u = self._corrected(x, name, self.state, screen=False)   # (the inner screens u: encode_with)
         return self.inner.shared_stats(u, shared_seed=shared_seed, name=name, check_finite=check_finite)
 
     def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
@@ -207,23 +207,61 @@ class ErrorFeedback(Quantizer):
         inner = Payload(self.inner.spec, payload.shape, payload.dtype, payload.numel, payload.fields)
         return self.inner.decode(inner, out=out)
 
+    def _summable_input(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
+                        shared: Optional[Mapping[str, torch.Tensor]], shared_seed: Optional[int],
+                        check_finite: bool) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+        """``(x + e, shared)`` for the summable entry points, ``shared`` the inner's own statistics of
+        ``x + e`` where none are given."""
+        if not self.inner.summable:
+            raise TypeError(f"{self.inner.name} codes are not summable")
+        u = self._corrected(x, name, state, screen=False)        # (the inner screens u: encode_with)
+        if shared is None:
+            shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed,
+                                                                     check_finite=check_finite).items()}
+        return u, shared
+
     def encode_codes_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
                           shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
                           generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
                           name: Optional[str] = None,
                           check_finite: bool = True) -> tuple[torch.Tensor, ErrorFeedbackState]:
         """:meth:`encode_codes` on an explicit state: the codes and the next state."""
-        if not self.inner.summable:
-            raise TypeError(f"{self.inner.name} codes are not summable")
-        u = self._corrected(x, name, state, screen=self._screens(x, check_finite))
-        if shared is None:
-            shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed,
-                                                                     check_finite=check_finite).items()}
+        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite)
         codes = self.inner.encode_codes(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
                                         shared_seed=shared_seed, name=name, check_finite=check_finite)
         mine = self.inner.decode_codes(codes, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
                                        shared_seed=shared_seed)
         return codes, state.with_residual(name, u - mine)
+
+    def encode_fields_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
+                           shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
+                           generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
+                           name: Optional[str] = None,
+                           check_finite: bool = True) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+        """:meth:`encode_fields` on an explicit state: the inner scheme's uint8 fields of ``x + e``
+        (its fused path, the same codes as :meth:`encode_codes_with`) and the next state, whose
+        residual subtracts this worker's own decode of them; ``(None, state)`` where the inner
+        scheme has no fields path (then use :meth:`encode_codes_with`)."""
+        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite)
+        fields = self.inner.encode_fields(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
+                                          shared_seed=shared_seed, name=name, check_finite=check_finite)
+        if fields is None:
+            return None, state
+        mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u)  # type: ignore[attr-defined]
+        return fields, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the fields are new)
+
+    def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
+                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                      shared_seed: Optional[int] = None, name: Optional[str] = None,
+                      check_finite: bool = True) -> Optional[torch.Tensor]:
+        """Fields of ``x + e`` under the shared stats through the inner scheme's fused path; updates
+        ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path)."""
+        fields, self.state = self.encode_fields_with(x, self.state, shared=shared, seed=seed, generator=generator,
+                                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
+        return fields
+
+    def decode_field_sum(self, total: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.inner.decode_field_sum(total, **kwargs)  # type: ignore[attr-defined]
 
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
