@@ -57,6 +57,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 from gradq.kernels import triton_randk as RK  # noqa: E402
+from gradq.kernels import triton_topk as TK  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "slice", "select", "expand",
@@ -155,7 +156,7 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, B, D, L, MO, M, S, X, RK)
+    mods = (C, T, B, D, L, MO, M, S, X, RK, TK)
     reads = [0]
     tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, K.sum_is_finite
 

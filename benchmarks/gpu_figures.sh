@@ -53,7 +53,8 @@ step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeat
 step codecs50 90 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 5 --batch 50 \
   --spec qsgd:bits=4,bucket=512 --spec signsgd --spec orq:levels=5 --spec qsgd:bits=4,coding=elias   # the device-bound figure
 step tests 150 "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
-  tests/kernels/test_triton_kernels.py tests/kernels/test_triton_randk.py tests/test_cuda_ranks.py
+  tests/kernels/test_triton_kernels.py tests/kernels/test_triton_randk.py tests/kernels/test_triton_topk.py \
+  tests/test_cuda_ranks.py
 if command -v ncu >/dev/null; then
   step profile 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     -k "regex:_binary_stats_kernel|_linear_levels_kernel|_norm_uniform_encode_kernel|_orq_levels_kernel|_pb_level_kernel|_elias_\w+_kernel" \

@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
     from gradq.kernels import triton_randk as K
+    from gradq.kernels import triton_topk as TK
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -172,6 +173,16 @@ SCRIPT = textwrap.dedent('''
          dict(L=L, W=2, IW=iw, RESCALE=rescale, BLOCK=8192, SUB=1024), False)
         for L, iw, rescale in ((2, 1, False), (3, 2, True))
     ] + [
+        ("_topk_hist_kernel", dict(x_ptr=PF, hist_ptr=P32, state_ptr=PI64, n="i32", shift="i32", width="i32",
+         BLOCK=C, SUB=C, BINS=C), dict(BLOCK=8192, SUB=1024, BINS=2048), False),
+        ("_topk_count_kernel", dict(x_ptr=PF, cnt_ptr=P32, state_ptr=PI64, n="i32", m="i32", BLOCK=C, SUB=C),
+         dict(BLOCK=8192, SUB=1024), False),
+        ("_topk_plan_kernel", dict(cnt_ptr=P32, state_ptr=PI64, m="i32", CH=C), dict(CH=1024), False),
+    ] + [
+        ("_topk_write_kernel", dict(x_ptr=PF, cnt_ptr=P32, state_ptr=PI64, idx_ptr=pi, val_ptr=PF, n="i32", m="i32",
+         k="i32", BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024), False)
+        for pi in (P32, PI64)
+    ] + [
         ("_crc32_kernel", dict(data_ptr=P8, out_ptr=P32, tab_ptr=P32, L=I, pad=I, tail="i32", W=C, NBITS=C),
          dict(W=w, NBITS=nbits), False)
         for w, nbits in [(1024, 12), (1, 4)]
@@ -191,7 +202,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K, TK) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -238,9 +249,10 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
     from gradq.kernels import triton_randk as K
+    from gradq.kernels import triton_topk as TK
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K, TK) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

@@ -406,14 +406,20 @@ def topk_select(x: torch.Tensor, k: int, index_dtype: torch.dtype = torch.int64)
     """Top-K's fields of a float32 vector: ``(x[idx], idx)``, ``idx`` the sorted indices of its ``k``
     largest magnitudes, ties to the lower index, as ``index_dtype`` (int32 or int64), the same on
     every device (:func:`gradq.kernels.reference.topk_indices`). On the CPU a numba selection in
-    three passes with no input-sized temporary; elsewhere the reference (one ``torch.topk`` of
-    ``n`` int64 keys: no Triton kernel yet)."""
+    three passes with no input-sized temporary; with the Triton backend a radix select on the
+    device with no host read (:mod:`gradq.kernels.triton_topk`); elsewhere the reference (one
+    ``torch.topk`` of ``n`` int64 keys)."""
     n = x.numel()
     if k < 0 or k > n:
         raise ValueError(f"cannot keep k={k} of n={n} coordinates")
-    if (0 < k < n <= 1 << 32 and backend_for(x) == "numba" and x.dtype == torch.float32
-            and x.is_contiguous() and index_dtype in (torch.int32, torch.int64)):
-        return subset.topk_select(x, k, index_dtype)
+    if x.dtype == torch.float32 and index_dtype in (torch.int32, torch.int64) and 0 < k < n:
+        b = backend_for(x)
+        if b == "numba" and n <= 1 << 32 and x.is_contiguous():
+            return subset.topk_select(x, k, index_dtype)
+        if b == "triton":
+            from . import triton_topk
+            if triton_topk.takes(n, k):
+                return triton_topk.topk_select(x, k, index_dtype)
     return reference.topk_select(x, k, index_dtype)
 
 

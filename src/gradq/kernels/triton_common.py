@@ -174,6 +174,10 @@ TUNING = {
     "randk_path": 1,        # RandK-MaxNorm: 1, an implicit subset (gradq.kernels.triton_randk; not yet on a
     "randk_elems": 8192,    # GPU); 2, the indices and a gather. Counters a program there (one int32 of running
     "randk_warps": 4,       # sums a program is kept per selection; it loops over 1,024 at a time)
+    "topk_path": 1,         # Top-K's selection: 1, a radix select on the device (gradq.kernels.triton_topk; not
+    "topk_elems": 8192,     # yet on a GPU); 2, torch's topk of n int64 keys. Values a program in its passes,
+    "topk_warps": 4,        # 1,024 at a time,
+    "topk_bins": 2048,      # and bins a level of the radix select (11 bits a level: 31 in three)
     "read_bits": 256,       # stream bits a lane in the Elias reader (gradq.kernels.triton_elias_read;
     "read_warps": 1,        # 32 lanes a warp, not yet on a GPU)
     "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)

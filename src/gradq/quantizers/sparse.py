@@ -160,6 +160,11 @@ class TopK(_Sparse):
         kk = self.count(numel)
         return {"values": (torch.float32, kk), "indices": (self.index_dtype(numel), kk)}
 
+    def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
+        # a NaN's or Inf's magnitude ranks above every finite one (NaN above Inf), so with K ≥ 1 the
+        # kept values hold one whenever x does; every backend selects on such data harmlessly
+        return "values" if x.dtype == torch.float32 and self.count(x.numel()) > 0 else None
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         n = v.numel()
         values, idx = kernels.topk_select(v, self.count(n), self.index_dtype(n))
