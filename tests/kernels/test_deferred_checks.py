@@ -111,3 +111,48 @@ def test_randk_multiscale_on_its_implicit_subset_counts_a_corrupt_index():
         assert int(checks.count) == 1 and torch.isfinite(out).all()
     finally:
         kernels.set_backend(was)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that bring a value to the host (each a synchronization on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("_local_scalar_dense", "equal", "is_nonzero"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bad", [1000, -1, "order"])
+def test_topk_indices_are_counted_inside_and_refused_outside(bad):
+    """Top-K's decode checks its indices (in range, strictly increasing) with one host read, and
+    with none inside the context, where a corrupt payload is counted and its indices are clamped
+    into range: the decode and the mean stay in bounds, the intact positions decode as before."""
+    q = gradq.build("topk:ratio=0.05")
+    n = 1000
+    p = q.encode(torch.randn(n, generator=torch.Generator().manual_seed(2)), seed=0)
+    idx = p.fields["indices"]
+    at = 3
+    broken = _corrupt(p, "indices", at, int(idx[at - 1]) if bad == "order" else bad)
+    clean = q.decode(p)
+    out = torch.full((n,), 7.0)
+    with pytest.raises(PayloadError, match="not strictly increasing" if bad == "order" else "out of range"):
+        q.decode(broken, out=out)
+    assert bool((out == 7.0).all())                  # refused before out is touched
+    with _HostReads() as mode:
+        q.decode(p, out=out)
+    assert mode.reads == 1
+    with _HostReads() as mode, kernels.deferred_checks() as checks:
+        got = q.decode(broken)
+        mean = q.decode_mean([broken, p])
+        q.decode(p)                                   # a clean payload adds nothing
+    assert mode.reads == 0 and int(checks.count) == 2
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[idx[at - 1:at + 1].long()] = False
+    keep[0] = keep[n - 1] = False                     # (a clamped index lands at an end)
+    assert torch.equal(got[keep], clean[keep]) and torch.isfinite(mean).all()
+    with pytest.raises(PayloadError, match="sparse indices"):
+        checks.check()

@@ -81,14 +81,17 @@ def deferred_checks() -> Iterator[DeferredChecks]:
         _ACTIVE.reset(token)
 
 
-def refuse_invalid(bad: Union[torch.Tensor, int], message: Callable[[int], str], what: str) -> None:
+def refuse_invalid(bad: Union[torch.Tensor, int], message: Callable[[int], str], what: str) -> bool:
     """A decode's check: ``bad`` counts its invalid fields (per program, on its device, or an int).
-    Inside :func:`deferred_checks` it is added there; otherwise a nonzero count raises
-    :class:`gradq.PayloadError` with ``message(count)`` (a host read where ``bad`` is on a GPU)."""
+    Inside :func:`deferred_checks` it is added there and the result is True: the caller goes on, and
+    must keep every read and write in bounds whatever the fields hold. Otherwise a nonzero count
+    raises :class:`gradq.PayloadError` with ``message(count)`` (a host read where ``bad`` is on a
+    GPU), and the result is False."""
     checks = _ACTIVE.get()
     if checks is not None:
         checks.add(bad, what)
-        return
+        return True
     n = int(bad.sum()) if isinstance(bad, torch.Tensor) else int(bad)
     if n:
         raise PayloadError(message(n))
+    return False

@@ -30,8 +30,9 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import PayloadError, SpecError
+from ..errors import SpecError
 from .. import kernels
+from ..kernels.checks import refuse_invalid
 from ..spec import BoolParam, FloatParam, IntParam, register
 from ..payload import Payload
 from .base import EncodeContext, Quantizer
@@ -176,16 +177,27 @@ class TopK(_Sparse):
         return out
 
     def _indices(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
-        """The payload's indices as int64 on ``device``, refused unless strictly increasing in ``[0, numel)``."""
+        """The payload's indices as int64 on ``device``, refused unless strictly increasing in ``[0, numel)``:
+        one host read (the count of what is wrong), none inside :func:`gradq.kernels.deferred_checks`,
+        where a corrupt payload is counted there and its indices are clamped into range, so that the
+        decode stays in bounds (its output is then not meaningful, as the check says later)."""
         idx = fields["indices"].to(device=device, dtype=torch.int64)
-        if idx.numel():
-            lo, hi = int(idx[0]), int(idx[-1])
-            if lo < 0 or hi >= numel:
-                raise PayloadError(f"{self.name}: index out of range [0, {numel}) in payload "
-                                   f"(first {lo}, last {hi}); corrupt payload")
-            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                raise PayloadError(f"{self.name}: payload indices are not strictly increasing; corrupt payload")
+        if not idx.numel():
+            return idx
+        bad = (idx[:1] < 0) | (idx[-1:] >= numel)
+        if idx.numel() > 1:
+            bad |= (idx[1:] <= idx[:-1]).any()
+        if refuse_invalid(bad, lambda _: self._index_error(idx, numel), "sparse indices"):
+            idx = idx.clamp(0, numel - 1)   # (a new tensor: idx may be the payload's own field)
         return idx
+
+    def _index_error(self, idx: torch.Tensor, numel: int) -> str:
+        """What is wrong with indices the check refused (host reads: only on the way to an error)."""
+        out = idx[(idx < 0) | (idx >= numel)]
+        if out.numel():
+            return (f"{self.name}: {out.numel()} index(es) out of range [0, {numel}) in payload (the first "
+                    f"{int(out[0])}); corrupt payload")
+        return f"{self.name}: payload indices are not strictly increasing; corrupt payload"
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         """Zeros and the kept values straight into ``out`` (checked before ``out`` is touched)."""
