@@ -197,3 +197,94 @@ def test_fields_are_none_and_the_residual_untouched_without_a_fields_path():
     shared = {k: s.value for k, s in ef.shared_stats(x, shared_seed=3).items()}
     assert ef.encode_fields(x, shared=shared, seed=0, shared_seed=3, name="w") is None
     assert ef.residuals == {}
+
+
+def _steps(ef, entry: str, xs, name="w"):
+    """Run ``entry`` (encode, or encode_fields or encode_codes after shared_stats) on
+    the held state over ``xs``: each step's output (cloned), residual (cloned) and residual's address."""
+    outs, residuals, ptrs = [], [], []
+    for i, x in enumerate(xs):
+        if entry == "encode":
+            out = ef.encode(x, seed=i, name=name)
+            out = {k: v.clone() for k, v in out.fields.items()}
+        else:
+            shared = {k: s.value for k, s in ef.shared_stats(x, name=name).items()}
+            out = getattr(ef, entry)(x, shared=shared, seed=i, name=name).clone()
+        outs.append(out)
+        residuals.append(ef.residuals[name].clone())
+        ptrs.append(ef.residuals[name].data_ptr())
+    return outs, residuals, ptrs
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("spec,entry", [("ef(topk:ratio=0.01)", "encode"), ("ef(qsgd:bits=2)", "encode"),
+                                        ("ef(signsgd)", "encode"), ("ef(maxnorm:bits=4)", "encode_fields"),
+                                        ("ef(maxnorm:bits=4)", "encode_codes"), ("ef(fp16)", "encode")])
+def test_held_steps_reuse_the_replaced_residual_and_give_the_same_bits(spec, entry):
+    """On CPU tensors the held state's steps write x + e into the residual that the step before
+    replaced (the two buffers alternate from the third step: addresses 0, 1, 0, 1), and give the
+    payloads and residuals of steps that allocate (``spares=False``) and of the explicit state, bit
+    for bit."""
+    xs = [torch.randn(5000, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(5)]
+    reuse, fresh = gradq.build(spec), gradq.build(spec)
+    fresh.spares = False
+    got, got_r, ptrs = _steps(reuse, entry, xs)
+    want, want_r, _ = _steps(fresh, entry, xs)
+    assert all(_same(a, b) for a, b in zip(got, want)) and all(_same(a, b) for a, b in zip(got_r, want_r))
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[4] == ptrs[0] != ptrs[1], ptrs
+    assert reuse.spare_bytes == 4 * 5000 and fresh.spare_bytes == 0
+    if entry == "encode":
+        state = reuse.init_state()
+        for i, x in enumerate(xs):
+            p, state = reuse.encode_with(x, state, seed=i, name="w")
+            assert _same({k: v for k, v in p.fields.items()}, got[i]) and _same(state.residuals["w"], got_r[i])
+
+
+def test_a_payload_that_holds_x_plus_e_is_not_overwritten():
+    """``none`` sends ``x + e`` itself: that memory belongs to the payload, so no later step writes
+    into it (each step's payload still holds what was sent)."""
+    ef = gradq.build("ef(none)")
+    xs = [torch.randn(300, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    payloads, sent = [], []
+    for i, x in enumerate(xs):
+        p = ef.encode(x, seed=i, name="w")
+        payloads.append(p)
+        sent.append({k: v.clone() for k, v in p.fields.items()})
+    assert all(_same({k: v for k, v in p.fields.items()}, s) for p, s in zip(payloads, sent))
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_a_refused_step_leaves_the_residual_and_the_next_steps_exact(bad_value):
+    """A NaN or Inf refused mid-run (after the spare holds x + e of the bad input) changes neither
+    the residual nor the steps after it."""
+    xs = [torch.randn(400, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    bad = xs[2].clone()
+    bad[7] = bad_value
+    a, b = gradq.build("ef(qsgd:bits=2,bucket=64)"), gradq.build("ef(qsgd:bits=2,bucket=64)")
+    b.spares = False
+    for i, x in enumerate(xs):
+        if i == 2:
+            before = a.residuals["w"].clone()
+            with pytest.raises(gradq.NonFiniteError):
+                a.encode(bad, seed=i, name="w")
+            assert torch.equal(a.residuals["w"], before)
+        assert a.encode(x, seed=i, name="w").same_bytes(b.encode(x, seed=i, name="w"))
+        assert torch.equal(a.residuals["w"], b.residuals["w"])
+
+
+def test_spares_are_dropped_with_the_state():
+    ef = gradq.build("ef(signsgd)")
+    for i in range(3):
+        ef.encode(torch.randn(100), seed=i, name="w")
+    assert ef.spare_bytes == 400
+    ef.load_state_dict(ef.state_dict())
+    assert ef.spare_bytes == 0
+    for i in range(3):
+        ef.encode(torch.randn(100), seed=i, name="w")
+    ef.reset()
+    assert ef.spare_bytes == 0 and ef.residuals == {}

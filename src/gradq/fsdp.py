@@ -194,6 +194,7 @@ class GradqReduceScatter:
         self._model: Optional[torch.nn.Module] = None
         self._plans: dict[tuple[str, int], Plan] = {}
         if isinstance(self.quantizer, ErrorFeedback):
+            self.quantizer.spares = False   # (memory is what FSDP saves: no second buffer per residual)
             logger.info("GradqReduceScatter: %s keeps an error-feedback residual the size of each FSDP module's "
                         "unsharded gradient on every rank (residual_bytes)", self.spec)
 
@@ -220,11 +221,12 @@ class GradqReduceScatter:
 
     @property
     def residual_bytes(self) -> int:
-        """Bytes held by error-feedback residuals on this rank (0 without error feedback)."""
+        """Bytes held by error-feedback residuals on this rank (0 without error feedback; no spare
+        buffers here: :class:`gradq.ErrorFeedback`'s ``spares`` is off under FSDP)."""
         q = self.quantizer
         if not isinstance(q, ErrorFeedback):
             return 0
-        return sum(r.numel() * r.element_size() for r in q.residuals.values())
+        return sum(r.numel() * r.element_size() for r in q.residuals.values()) + q.spare_bytes
 
     def _build_node_groups(self, ranks_per_node: Optional[int], group: Any) -> None:
         """The node groups and the cross-node groups (a collective: every rank calls it alike)."""

@@ -78,18 +78,32 @@ class ErrorFeedback(Quantizer):
     The residuals form an :class:`ErrorFeedbackState`. The wrapper holds one (``.state``) for the
     protocols and the DDP hook, which call :meth:`encode`; :meth:`encode_with` is the same step on a
     state passed in and returned, for code that keeps its state itself.
+
+    Memory: a step makes ``u = x + e``, which becomes the next residual. On the held state, for CPU
+    tensors, ``u`` is written into the residual that the previous step replaced (its *spare*)
+    rather than into new memory: fresh CPU memory costs a page fault every 4 KB, which made the
+    add 3–4× slower at 25M values (docs/performance.md). So a residual read from the held state
+    stays valid until the second later step of its name overwrites it: copy it to keep it (or use
+    :meth:`state_dict`). ``spares=False`` (or setting ``.spares``) makes each step allocate
+    instead, holding one buffer fewer per tensor between steps (the FSDP integration does);
+    :meth:`encode_with` and the other ``…_with`` steps never reuse memory and never change the
+    state they are given. CUDA tensors keep no spare: the caching allocator reuses freed memory.
     """
 
     name = "ef"
     unbiased = False
 
-    def __init__(self, inner: Quantizer | str, state: Optional[ErrorFeedbackState] = None) -> None:
+    def __init__(self, inner: Quantizer | str, state: Optional[ErrorFeedbackState] = None,
+                 spares: bool = True) -> None:
         inner = inner if isinstance(inner, Quantizer) else make(inner)
         if isinstance(inner, ErrorFeedback):
             raise SpecError(f"{inner} already has error feedback")
         super().__init__()
         self.inner = inner
         self.state = ErrorFeedbackState() if state is None else state
+        #: whether held-state steps reuse the replaced residual's memory for ``x + e`` (class docstring)
+        self.spares = spares
+        self._spare: dict[str, torch.Tensor] = {}   # per name: CPU memory no held state refers to any more
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -99,6 +113,12 @@ class ErrorFeedback(Quantizer):
     @residuals.setter
     def residuals(self, value: Mapping[str, torch.Tensor]) -> None:
         self.state = ErrorFeedbackState(dict(value))
+        self._spare.clear()
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the spare buffers the held-state steps write ``x + e`` into (class docstring)."""
+        return sum(t.numel() * t.element_size() for t in self._spare.values())
 
     def init_state(self) -> ErrorFeedbackState:
         """An empty state (every residual zero)."""
@@ -140,13 +160,38 @@ class ErrorFeedback(Quantizer):
         return self.state.residual(x, name)
 
     def _corrected(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
-                   screen: bool = True) -> torch.Tensor:
+                   screen: bool = True, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x + e[name]`` in float32: new memory, or ``into`` where that is a buffer of its shape
+        that shares memory with neither term (the same float32 sum, bit for bit)."""
         self._flatten(x, name, screen)  # validate (finite, floating) before mixing with the residual
-        return x.detach().to(torch.float32) + state.residual(x, name)
+        xf, e = x.detach().to(torch.float32), state.residual(x, name)
+        if (into is None or into.shape != e.shape or into.device != e.device or into.dtype != torch.float32
+                or not into.is_contiguous()
+                or into.untyped_storage().data_ptr() in (xf.untyped_storage().data_ptr(),
+                                                         e.untyped_storage().data_ptr())):
+            return xf + e
+        return torch.add(xf, e, out=into)
+
+    def _held(self, step: Any, x: torch.Tensor, name: Optional[str], **kwargs: Any) -> Any:
+        """``step(x, self.state, into, name=name, **kwargs)`` → ``(result, next state)`` on the held
+        state, ``into`` this name's spare; afterwards the residual the step replaced is the spare
+        (CPU tensors, with ``spares`` on)."""
+        key = _key(name)
+        old = self.state.residuals.get(key)
+        out, new = step(x, self.state, self._spare.get(key) if self.spares else None, name=name, **kwargs)
+        self.state = new
+        if new.residuals.get(key) is old:   # (nothing replaced: no fields path)
+            return out
+        if self.spares and old is not None and old.device.type == "cpu" and old.is_contiguous():
+            self._spare[key] = old
+        else:
+            self._spare.pop(key, None)
+        return out
 
     def reset(self) -> None:
         """Forget every residual."""
         self.state = ErrorFeedbackState()
+        self._spare.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals (CPU copies) and the spec, for checkpoints."""
@@ -157,11 +202,13 @@ class ErrorFeedback(Quantizer):
         if state.get("spec") != self.spec:
             raise ValueError(f"error-feedback state was saved for {state.get('spec')!r}, not {self.spec!r}")
         self.state = ErrorFeedbackState.from_state_dict(state["residuals"])
+        self._spare.clear()
 
     # -- quantizer interface -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
                      name: Optional[str] = None, check_finite: bool = True) -> dict[str, SharedStat]:
-        u = self._corrected(x, name, self.state, screen=False)   # (the inner screens u: encode_with)
+        # (the inner screens u: encode_with; u is scratch here, in the spare that the step then fills)
+        u = self._corrected(x, name, self.state, screen=False, into=self._spare.get(_key(name)) if self.spares else None)
         return self.inner.shared_stats(u, shared_seed=shared_seed, name=name, check_finite=check_finite)
 
     def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
@@ -171,12 +218,19 @@ class ErrorFeedback(Quantizer):
         """One error-feedback step on an explicit state: the payload of ``x + e[name]`` and the next
         state, whose ``e[name]`` is what the payload lost. ``state`` itself is not changed.
         ``check_finite``: as in :meth:`gradq.Quantizer.encode`."""
+        return self._encode_step(x, state, None, seed=seed, generator=generator, shared=shared,
+                                 shared_seed=shared_seed, name=name, check_finite=check_finite)
+
+    def _encode_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
+                     seed: Optional[int], generator: Optional[torch.Generator],
+                     shared: Optional[Mapping[str, torch.Tensor]], shared_seed: Optional[int],
+                     name: Optional[str], check_finite: bool) -> tuple[Payload, ErrorFeedbackState]:
         # (no screen of x here: the inner encode screens u = x + e, or reads its witness, wherever this
         # one would have screened x, and a NaN or Inf in x is one in u)
-        u = self._corrected(x, name, state, screen=False)
+        u = self._corrected(x, name, state, screen=False, into=into)
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
-        if not self.inner.subtract_decode_(u, payload):   # (u is this call's own: x + e, new)
+        if not self.inner.subtract_decode_(u, payload):   # (u is this call's own: x + e, new or the spare)
             decoded = self.inner.decode(payload).to(torch.float32)
             # in place unless a field of the payload is u's memory (a cast that kept u as its field)
             ours = u.untyped_storage().data_ptr()
@@ -192,9 +246,8 @@ class ErrorFeedback(Quantizer):
                shared: Optional[Mapping[str, torch.Tensor]] = None,
                shared_seed: Optional[int] = None, name: Optional[str] = None,
                check_finite: bool = True) -> Payload:
-        payload, self.state = self.encode_with(x, self.state, seed=seed, generator=generator, shared=shared,
-                                               shared_seed=shared_seed, name=name, check_finite=check_finite)
-        return payload
+        return self._held(self._encode_step, x, name, seed=seed, generator=generator, shared=shared,
+                          shared_seed=shared_seed, check_finite=check_finite)
 
     def skips_finite_check(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]] = None) -> bool:
         return self.inner.skips_finite_check(x, shared)
@@ -209,12 +262,13 @@ class ErrorFeedback(Quantizer):
 
     def _summable_input(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
                         shared: Optional[Mapping[str, torch.Tensor]], shared_seed: Optional[int],
-                        check_finite: bool) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+                        check_finite: bool, into: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
         """``(x + e, shared)`` for the summable entry points, ``shared`` the inner's own statistics of
         ``x + e`` where none are given."""
         if not self.inner.summable:
             raise TypeError(f"{self.inner.name} codes are not summable")
-        u = self._corrected(x, name, state, screen=False)        # (the inner screens u: encode_with)
+        u = self._corrected(x, name, state, screen=False, into=into)   # (the inner screens u: encode_with)
         if shared is None:
             shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed,
                                                                      check_finite=check_finite).items()}
@@ -226,12 +280,19 @@ class ErrorFeedback(Quantizer):
                           name: Optional[str] = None,
                           check_finite: bool = True) -> tuple[torch.Tensor, ErrorFeedbackState]:
         """:meth:`encode_codes` on an explicit state: the codes and the next state."""
-        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite)
+        return self._codes_step(x, state, None, shared=shared, seed=seed, generator=generator,
+                                shared_seed=shared_seed, name=name, check_finite=check_finite)
+
+    def _codes_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
+                    shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
+                    generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
+                    check_finite: bool) -> tuple[torch.Tensor, ErrorFeedbackState]:
+        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite, into)
         codes = self.inner.encode_codes(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
                                         shared_seed=shared_seed, name=name, check_finite=check_finite)
         mine = self.inner.decode_codes(codes, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
                                        shared_seed=shared_seed)
-        return codes, state.with_residual(name, u - mine)
+        return codes, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the codes are new)
 
     def encode_fields_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
                            shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
@@ -242,7 +303,14 @@ class ErrorFeedback(Quantizer):
         (its fused path, the same codes as :meth:`encode_codes_with`) and the next state, whose
         residual subtracts this worker's own decode of them; ``(None, state)`` where the inner
         scheme has no fields path (then use :meth:`encode_codes_with`)."""
-        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite)
+        return self._fields_step(x, state, None, shared=shared, seed=seed, generator=generator,
+                                 shared_seed=shared_seed, name=name, check_finite=check_finite)
+
+    def _fields_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
+                     shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
+                     generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
+                     check_finite: bool) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite, into)
         fields = self.inner.encode_fields(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
                                           shared_seed=shared_seed, name=name, check_finite=check_finite)
         if fields is None:
@@ -256,9 +324,8 @@ class ErrorFeedback(Quantizer):
                       check_finite: bool = True) -> Optional[torch.Tensor]:
         """Fields of ``x + e`` under the shared stats through the inner scheme's fused path; updates
         ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path)."""
-        fields, self.state = self.encode_fields_with(x, self.state, shared=shared, seed=seed, generator=generator,
-                                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
-        return fields
+        return self._held(self._fields_step, x, name, shared=shared, seed=seed, generator=generator,
+                          shared_seed=shared_seed, check_finite=check_finite)
 
     def decode_field_sum(self, total: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.inner.decode_field_sum(total, **kwargs)  # type: ignore[attr-defined]
@@ -268,9 +335,8 @@ class ErrorFeedback(Quantizer):
                      shared_seed: Optional[int] = None, name: Optional[str] = None,
                      check_finite: bool = True) -> torch.Tensor:
         """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes."""
-        codes, self.state = self.encode_codes_with(x, self.state, shared=shared, seed=seed, generator=generator,
-                                                   shared_seed=shared_seed, name=name, check_finite=check_finite)
-        return codes
+        return self._held(self._codes_step, x, name, shared=shared, seed=seed, generator=generator,
+                          shared_seed=shared_seed, check_finite=check_finite)
 
     def decode_codes(self, codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.inner.decode_codes(codes, **kwargs)  # type: ignore[attr-defined]
