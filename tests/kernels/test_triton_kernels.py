@@ -137,14 +137,6 @@ def test_the_interpreter_builds_no_overflow_check_that_debug_mode_would_drop():
     assert torch.equal(checked, want)
 
 
-@pytest.fixture
-def triton_backend():
-    was = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(was)
-
-
 # -- primitives -------------------------------------------------------------------------------------
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
 @pytest.mark.parametrize("bucket", [None, 4, 512])

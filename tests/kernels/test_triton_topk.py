@@ -20,20 +20,12 @@ from gradq.kernels import reference as R
 T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
 from gradq.kernels import triton_topk as TK  # noqa: E402
 from test_subset_kernels import _vector  # noqa: E402
-from test_triton_randk import Allocations  # noqa: E402
+from test_triton_randk import Allocations, _counted  # noqa: E402
 
 interpreted = pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 KINDS = ["randn", "sparse", "grid", "few", "constant", "tiny", "layers"]
-
-
-@pytest.fixture
-def triton_backend():
-    was = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(was)
 
 
 def _same_topk(x: torch.Tensor, k: int, dtype: torch.dtype = torch.int32) -> None:
@@ -149,31 +141,26 @@ def test_topk_quantizer_holds_nothing_input_sized(triton_backend, monkeypatch):
     n = 100_003
     q = gradq.build("topk:ratio=0.01")
     x = _vector("layers", n, seed=8)
-    real = TK._launch
-
-    def launch(*args, **meta):
-        mode.in_launch = True
-        try:
-            return real(*args, **meta)
-        finally:
-            mode.in_launch = False
-    monkeypatch.setattr(TK, "_launch", launch)
     lists = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: lists.append(1) or tolist(t))
     monkeypatch.setattr(R, "topk_select", _refuse)
     monkeypatch.setattr(kernels, "sum_is_finite", lambda t: math.isfinite(float(t.sum())))   # (the CUDA branch)
-    mode = _Reads()
-    with mode:
-        enc = q.encode(x, seed=1)
+
+    def measured(**kw):
+        mode = _Reads()
+        with pytest.MonkeyPatch.context() as m:
+            _counted(m, mode, TK)
+            with mode:
+                return q.encode(x, seed=1, **kw), mode
+
+    enc, mode = measured()
     programs = -(-n // T.TUNING["topk_elems"])
     selection = 4 * T.TUNING["topk_bins"] + 8 * programs + 32 + 512   # (the 512: a few scalars)
     assert enc.nbytes <= mode.total <= enc.nbytes + selection, (mode.total, enc.nbytes, selection)
     assert mode.largest <= max(4 * T.TUNING["topk_bins"], 4 * q.count(n)) < n   # (the histogram or the values)
     assert mode.reads == 1 and not lists, (mode.reads, lists)
-    mode = _Reads()
-    with mode:
-        unchecked = q.encode(x, seed=1, check_finite=False)
+    unchecked, mode = measured(check_finite=False)
     assert mode.reads == 0 and not lists, (mode.reads, lists)
     assert unchecked.same_bytes(enc)
     monkeypatch.undo()
