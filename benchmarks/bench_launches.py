@@ -11,7 +11,8 @@ CUDA tensors:
 * ``torch``: torch operators that run a device kernel (every aten operator except views, shape
   and metadata operators and allocations, which launch nothing on a GPU);
 * ``host reads``: operators that bring a device value to the host (``.item()``, ``int(t)``,
-  ``float(t)``, ``bool(t)``, ``torch.equal``), and ``.tolist()`` or ``.cpu()`` of a tensor on the device (an input
+  ``float(t)``, ``bool(t)``, ``torch.equal``; and ``nonzero``, boolean-mask indexing and the like,
+  whose output's size the host must read), and ``.tolist()`` or ``.cpu()`` of a tensor on the device (an input
   of the call, a kernel's argument or a result of a device operation, not one made from host
   data), each a synchronization on a GPU. On a CPU tensor ``.tolist()`` and ``.cpu()`` run no
   operator, so they are caught by name. The encode's look at its non-finite witness, which sums a
@@ -66,8 +67,21 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias",
              "view_as_real", "resolve_conj", "resolve_neg", "unfold", "flatten", "narrow", "_reshape_alias",
              "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "contiguous"}
 HOST_READ = {"_local_scalar_dense", "item"}
-#: operators that run a device kernel and return its result to the host (a host read as well)
-READ_TOO = {"equal"}
+#: operators that run a device kernel and return its result to the host (a host read as well), and
+#: those whose output's size depends on the data (the host reads that size before it allocates):
+#: ``nonzero``, ``masked_select``, ``unique`` and indexing with a boolean mask (``t[mask]``,
+#: ``t[mask] = v``), counted under the name ``index (bool mask)``
+READ_TOO = {"equal", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+            "index (bool mask)"}
+
+
+def op_name(func, args) -> str:
+    """The aten operator's name, or ``index (bool mask)`` for indexing with a boolean mask."""
+    name = func.__name__.split(".")[0]
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+        return "index (bool mask)"
+    return name
 FROM_HOST = {"lift_fresh"}
 
 
@@ -97,7 +111,7 @@ class Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         res = func(*args, **(kwargs or {}))
         if not self.in_launch:
-            name = func.__name__.split(".")[0]
+            name = op_name(func, args)
             self.ops[name] += 1
             inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
             outs = {t.untyped_storage().data_ptr() for t in _tensors(res)} - {0}

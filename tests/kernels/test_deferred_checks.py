@@ -114,14 +114,18 @@ def test_randk_multiscale_on_its_implicit_subset_counts_a_corrupt_index():
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operators that bring a value to the host (each a synchronization on a GPU)."""
+    """Counts the operators that bring a value to the host (each a synchronization on a GPU),
+    including those whose output's size depends on the data (``nonzero``, boolean-mask indexing)."""
 
     def __init__(self):
         super().__init__()
         self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in ("_local_scalar_dense", "equal", "is_nonzero"):
+        name = func.__name__.split(".")[0]
+        mask = name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if mask or name in ("_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select"):
             self.reads += 1
         return func(*args, **(kwargs or {}))
 
@@ -145,10 +149,11 @@ def test_topk_indices_are_counted_inside_and_refused_outside(bad):
     with _HostReads() as mode:
         q.decode(p, out=out)
     assert mode.reads == 1
-    with _HostReads() as mode, kernels.deferred_checks() as checks:
-        got = q.decode(broken)
-        mean = q.decode_mean([broken, p])
-        q.decode(p)                                   # a clean payload adds nothing
+    with kernels.deferred_checks() as checks:
+        with _HostReads() as mode:
+            got = q.decode(broken)
+            q.decode(p)                               # a clean payload adds nothing
+        mean = q.decode_mean([broken, p])             # (its signed-zero step reads on the CPU: below)
     assert mode.reads == 0 and int(checks.count) == 2
     keep = torch.ones(n, dtype=torch.bool)
     keep[idx[at - 1:at + 1].long()] = False
@@ -156,3 +161,20 @@ def test_topk_indices_are_counted_inside_and_refused_outside(bad):
     assert torch.equal(got[keep], clean[keep]) and torch.isfinite(mean).all()
     with pytest.raises(PayloadError, match="sparse indices"):
         checks.check()
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
+def test_topk_mean_on_the_triton_backend_reads_nothing(triton_backend):
+    """The hook's all-gather reducer for Top-K as a GPU runs it (the Triton backend, whose
+    signed-zero step looks positions up instead of reading a mask): no host read inside the
+    context, and the bits of the CPU's mean."""
+    q = gradq.build("topk:ratio=0.5")
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for x in xs:
+        x[::3] = -0.0
+    ps = [q.encode(x, seed=0) for x in xs]
+    with _HostReads() as mode, kernels.deferred_checks() as checks:
+        got = q.decode_mean(ps)
+    assert mode.reads == 0 and int(checks.count) == 0
+    kernels.set_backend("numba" if kernels.available() else "torch")
+    assert torch.equal(got.view(torch.int32), q.decode_mean(ps).view(torch.int32))

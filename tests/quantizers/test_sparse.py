@@ -307,11 +307,23 @@ def _generic_mean(q, payloads):
     return acc.div_(len(payloads))
 
 
+@pytest.fixture(params=["with a read", "on the device"])
+def zero_signs(request, monkeypatch):
+    """Both forms of the sparse mean's signed-zero step: the CPU's (one host read) and the GPU's
+    (lookups, no read), the latter swapped in for the CPU here."""
+    from gradq.kernels import reference
+
+    if request.param == "on the device":
+        monkeypatch.setattr(reference, "sparse_mean_zero_signs", reference.sparse_mean_zero_signs_on_device)
+    return request.param
+
+
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.9", "topk:k=1", "topk:ratio=1"])
 @pytest.mark.parametrize("m", [1, 2, 3, 5])
-def test_topk_decode_mean_is_the_generic_sum_bit_for_bit(spec, m):
+def test_topk_decode_mean_is_the_generic_sum_bit_for_bit(spec, m, zero_signs):
     """Payloads that overlap in part, with signed zeros among the kept values (nine in ten values
-    are ±0.0, so ratio=0.9 keeps many): the sparse mean equals the dense sum's bits, −0.0 included."""
+    are ±0.0, so ratio=0.9 keeps many): the sparse mean equals the dense sum's bits, −0.0 included,
+    with either form of its signed-zero step."""
     q = gradq.build(spec)
     payloads = []
     for j in range(m):
@@ -350,7 +362,7 @@ def test_a_corrupt_payload_in_a_topk_mean_leaves_out_untouched():
 
 @pytest.mark.parametrize("spec", ["randk:ratio=0.05", "randk:ratio=0.9,rescale=1", "randk:k=1"])
 @pytest.mark.parametrize("seeds", ["shared", "each its own", "two"])
-def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatch, spec, seeds):
+def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatch, spec, seeds, zero_signs):
     """Bit for bit the dense sum (signed zeros among the values), with the coordinates of each
     distinct shared seed selected once: the DDP hook's workers share one seed, so one selection."""
     import gradq.quantizers.sparse as sparse
@@ -370,6 +382,35 @@ def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatc
     got = q.decode_mean(payloads, out=torch.full((3000,), float("nan")))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert len(calls) == len(set(shared) - {shared[-1]})   # (q's last encode's selection is kept)
+
+
+def test_the_signed_zero_step_without_a_read_is_the_one_with_a_read():
+    """Edge cases of the two forms: one payload, a later payload with no positions, later payloads
+    that are the first's own positions (RandK's shared seed), and positions at both ends."""
+    from gradq.kernels import reference
+
+    g = torch.Generator().manual_seed(4)
+    n = 64
+    for trial in range(40):
+        m = 1 + trial % 4
+        idxs, vals = [], []
+        for j in range(m):
+            if j and trial % 5 == 0:
+                idx = idxs[0]                               # (the same object: a shared selection)
+            elif j and trial % 7 == 0:
+                idx = torch.empty(0, dtype=torch.int64)
+            else:
+                idx = torch.sort(torch.randperm(n, generator=g)[:1 + trial % n]).values
+            v = torch.randint(-1, 2, (idx.numel(),), generator=g).float() * 0.0   # ±0.0
+            v[torch.rand(idx.numel(), generator=g) < 0.3] = 1.5
+            idxs.append(idx)
+            vals.append(v)
+        base = torch.zeros(n)
+        base[idxs[0]] = vals[0]
+        a, b = base.clone(), base.clone()
+        reference.sparse_mean_zero_signs(a, idxs, vals)
+        reference.sparse_mean_zero_signs_on_device(b, idxs, vals)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), trial
 
 
 def test_the_mean_benchmark_runs_and_checks_its_bits(capsys):

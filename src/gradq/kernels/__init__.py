@@ -53,7 +53,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "topk_select", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
+           "multiscale_decode", "random_subset", "topk_select", "sparse_mean_zero_signs", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
            "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields",
            "elias_encode", "elias_decode", "sum_is_finite", "crc32_field",
            "deferred_checks", "DeferredChecks"]
@@ -421,6 +421,17 @@ def topk_select(x: torch.Tensor, k: int, index_dtype: torch.dtype = torch.int64)
             if triton_topk.takes(n, k):
                 return triton_topk.topk_select(x, k, index_dtype)
     return reference.topk_select(x, k, index_dtype)
+
+
+def sparse_mean_zero_signs(out: torch.Tensor, idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]) -> None:
+    """The sparse mean's signed zeros (:func:`gradq.kernels.reference.sparse_mean_zero_signs`, in
+    place in ``out``): with the Triton backend (a GPU) without a host read
+    (:func:`~gradq.kernels.reference.sparse_mean_zero_signs_on_device`), elsewhere with one, which
+    is free on the CPU and usually finds nothing to do."""
+    if backend_for(out) == "triton":
+        reference.sparse_mean_zero_signs_on_device(out, idxs, vals)
+    else:
+        reference.sparse_mean_zero_signs(out, idxs, vals)
 
 
 def sum_is_finite(t: torch.Tensor) -> bool:

@@ -105,14 +105,7 @@ class _Sparse(Quantizer):
         out[idxs[0]] = vals[0]
         for idx, v in zip(idxs[1:], vals[1:]):
             out.index_add_(0, idx, v)            # (indices distinct: each position once, in list order)
-        negative_zero = idxs[0][(vals[0] == 0) & torch.signbit(vals[0])]
-        if negative_zero.numel() and len(idxs) > 1:
-            missed = torch.zeros_like(negative_zero, dtype=torch.bool)
-            for idx in idxs[1:]:
-                if idx is not idxs[0]:
-                    missed |= ~torch.isin(negative_zero, idx)
-            at = negative_zero[missed]
-            out[at] = out[at] + 0.0
+        kernels.sparse_mean_zero_signs(out, idxs, vals)
         out.div_(len(idxs))
         return True
 
