@@ -10,7 +10,8 @@ rounding, uniform codes, TernGrad's σ and clip); the second half the kernel API
 and return exactly what the other backends' functions of the same names do (packed bytes, per-bucket
 scales or levels). Two families live in modules of their own, whose names this module exports: the
 schemes with per-bucket levels (ORQ and Linear, :mod:`gradq.kernels.reference_levels`) and the
-one-bit schemes (:mod:`gradq.kernels.reference_binary`).
+one-bit schemes (:mod:`gradq.kernels.reference_binary`); so does the sparse mean's signed-zero step
+(:mod:`gradq.kernels.reference_sparse`).
 
 Arithmetic (float32 throughout unless named): uniform codes ``r = s / scale`` (torch evaluates it as
 ``float32(1/scale)·s``; a zero scale reads as 1), ``a = |x|·r`` (``0·inf`` from a denormal scale is
@@ -49,7 +50,7 @@ __all__ = [
     "bit_decode", "sign_scale_encode", "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode",
     "multiscale_indices", "multiscale_encode", "multiscale_decode", "multiscale_dequantize",
     "sign_scale_stats", "onebit_stats", "bingrad_b_stats", "one_bit_stats", "random_subset",
-    "topk_indices", "topk_select",
+    "topk_indices", "topk_select", "sparse_mean_zero_signs", "sparse_mean_zero_signs_on_device",
 ]
 
 RngLike = Union[RandomStream, int]
@@ -458,43 +459,6 @@ def topk_select(x: torch.Tensor, k: int, index_dtype: torch.dtype = torch.int64)
     return x.reshape(-1)[idx].contiguous(), idx.to(index_dtype)
 
 
-def sparse_mean_zero_signs(out: torch.Tensor, idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]) -> None:
-    """The signed-zero step of the sparse mean (``gradq.quantizers.sparse._Sparse._mean_at``): where
-    the first payload holds ``−0.0`` at a position that a later payload does not hold, the dense sum
-    adds that payload's ``+0.0`` and makes it ``+0.0``; ``out[p] + 0.0`` there, in place. ``idxs``:
-    strictly increasing int64 positions, one tensor a payload (the same object for payloads that
-    share their positions). One host read (the positions of ``−0.0``, usually none)."""
-    negative_zero = idxs[0][(vals[0] == 0) & torch.signbit(vals[0])]
-    if negative_zero.numel() and len(idxs) > 1:
-        missed = torch.zeros_like(negative_zero, dtype=torch.bool)
-        for idx in idxs[1:]:
-            if idx is not idxs[0]:
-                missed |= ~torch.isin(negative_zero, idx)
-        at = negative_zero[missed]
-        out[at] = out[at] + 0.0
-
-
-def sparse_mean_zero_signs_on_device(out: torch.Tensor, idxs: Sequence[torch.Tensor],
-                                     vals: Sequence[torch.Tensor]) -> None:
-    """:func:`sparse_mean_zero_signs` without a host read: every position of the first payload is
-    looked up in each later one (``searchsorted``, ``K log K``) and rewritten, the ``−0.0`` ones that
-    one misses with ``+ 0.0``. For devices, where a read waits for the queue; on the CPU the read is
-    free and the lookups are not."""
-    if len(idxs) < 2 or not idxs[0].numel():
-        return
-    first, v = idxs[0], vals[0]
-    missed = torch.zeros(first.shape, dtype=torch.bool, device=first.device)
-    for idx in idxs[1:]:
-        if idx is first:
-            continue
-        if not idx.numel():
-            missed.fill_(True)
-        else:
-            missed |= idx[torch.searchsorted(idx, first).clamp_(max=idx.numel() - 1)] != first
-    kept = out[first]
-    out[first] = torch.where((v == 0) & torch.signbit(v) & missed, kept + 0.0, kept)
-
-
 def subset_index_bits(n: int) -> int:
     """``w`` of :func:`random_subset`: the bits its keys give the index, ``max(32, bit length of n − 1)``."""
     return max(32, (max(n, 1) - 1).bit_length())
@@ -508,3 +472,4 @@ from .reference_binary import (SUM_BLOCK, bingrad_b_encode, bingrad_b_levels, bi
 from .reference_levels import (check_level_count, levels_decode, levels_encode, linear_encode,  # noqa: E402
                                linear_levels, linear_positions, orq_encode, orq_fixed, orq_levels, orq_shift,
                                round_to_levels, sort_rows)
+from .reference_sparse import sparse_mean_zero_signs, sparse_mean_zero_signs_on_device  # noqa: E402
