@@ -55,7 +55,8 @@ GROUPS = {
                "_subset_candidates_kernel",
                [dict(subset_path=2)] + [dict(subset_path=1, subset_elems=e, subset_warps=w)
                                          for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
-    "randk": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"], "_randk_\\w+_kernel",
+    "randk": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6", "randk:ratio=0.01"],
+              "_randk_\\w+_kernel",
               [dict(randk_path=2)] + [dict(randk_path=1, randk_elems=e, randk_warps=w)
                                        for e in (2048, 4096, 8192, 16384) for w in (4, 8)]),
     "topk": (["topk:ratio=0.01", "topk:ratio=0.001"], "_topk_\\w+_kernel",

@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_elias_read as R
     from gradq.kernels import triton_randk as K
     from gradq.kernels import triton_topk as TK
+    from gradq.kernels import triton_randk_values as KV
 
     assert not T.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
@@ -173,6 +174,13 @@ SCRIPT = textwrap.dedent('''
          dict(L=L, W=2, IW=iw, RESCALE=rescale, BLOCK=8192, SUB=1024), False)
         for L, iw, rescale in ((2, 1, False), (3, 2, True))
     ] + [
+        ("_randk_gather_kernel", dict(x_ptr=PF, vals_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t=I, BLOCK=C, SUB=C),
+         dict(BLOCK=8192, SUB=1024), False),
+    ] + [
+        ("_randk_scatter_kernel", dict(vals_ptr=PF, out_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t=I, factor=F,
+         RESCALE=C, SUBTRACT=C, BLOCK=C, SUB=C), dict(RESCALE=rescale, SUBTRACT=sub, BLOCK=8192, SUB=1024), False)
+        for rescale, sub in ((False, False), (True, True))
+    ] + [
         ("_topk_hist_kernel", dict(x_ptr=PF, hist_ptr=P32, state_ptr=PI64, n="i32", shift="i32", width="i32",
          BLOCK=C, SUB=C, BINS=C), dict(BLOCK=8192, SUB=1024, BINS=2048), False),
         ("_topk_count_kernel", dict(x_ptr=PF, cnt_ptr=P32, state_ptr=PI64, n="i32", m="i32", BLOCK=C, SUB=C),
@@ -202,7 +210,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K, TK) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -250,9 +258,10 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_elias_read as R
     from gradq.kernels import triton_randk as K
     from gradq.kernels import triton_topk as TK
+    from gradq.kernels import triton_randk_values as KV
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K, TK) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV) for name in vars(mod) if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

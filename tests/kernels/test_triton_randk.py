@@ -1,4 +1,5 @@
-"""GlobalRandK-MaxNorm on the Triton backend with an implicit subset (gradq.kernels.triton_randk).
+"""GlobalRandK-MaxNorm and Rand-K on the Triton backend with an implicit subset (gradq.kernels.triton_randk
+and triton_randk_values).
 
 Under Triton's interpreter (CPU tensors): the primitives give the bytes and floats of the
 composition they replace (the reference's indices, a gather, MaxNorm's primitives on the ``k``
@@ -88,6 +89,49 @@ def test_implicit_subset_gives_the_composition(n, k, seed, elems, widths, fresh,
             assert same(into, ref), (width, rescale, first_difference(into, ref))
 
 
+def _subtracted(u: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, factor) -> torch.Tensor:
+    """The composition's ``u − decode``: ``u`` minus the rescaled values at ``idx``, the rest ``u``."""
+    want = u.clone()
+    want[idx] = want[idx] - (vals * factor if factor is not None else vals)
+    return want
+
+
+@interpreted
+@pytest.mark.parametrize("n,k,seed,elems", [(4_097, 2, 7, 1024), (70_001, 1, 0, 8192), (60_003, 700, -3, 2048),
+                                            (100_003, 4_500, 2**63 - 1, 8192)])
+def test_rand_k_values_on_the_implicit_subset(n, k, seed, elems, fresh, monkeypatch):
+    """Rand-K's gather, its scatter (with and without rescaling, into ``out=`` and new) and its
+    subtraction (error feedback's ``u − decode``, on data with ±0.0, NaN and ±inf where it is
+    subtracted from) equal the composition's bits without asking for the indices."""
+    from gradq.kernels import triton_randk_values as V
+
+    monkeypatch.setitem(T.TUNING, "randk_elems", elems)
+    x = data(n, 12)
+    idx = R.random_subset(n, k, seed)
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    monkeypatch.setattr(S, "random_subset", _refuse)
+    got = kernels.subset_gather(x, k, seed, _refuse)
+    assert same(got, x[idx]), first_difference(got, x[idx])
+    vals = data(k, 13)
+    u = data(n, 14)
+    u[idx[::3]] = float("nan")
+    u[idx[1::5]] = float("inf")
+    u[idx[2::7]] = -0.0
+    for rescale in (False, True):
+        factor = n / k if rescale else None
+        ref = torch.zeros(n)
+        ref[idx] = vals * factor if rescale else vals
+        into = torch.full((n,), float("nan"))
+        assert kernels.subset_scatter(vals, k, seed, n, rescale, _refuse, into) is into
+        assert same(into, ref), (rescale, first_difference(into, ref))
+        assert same(kernels.subset_scatter(vals, k, seed, n, rescale, _refuse), ref)
+        want, mine = _subtracted(u, idx, vals, factor), u.clone()
+        assert kernels.subset_scatter(vals, k, seed, n, rescale, _refuse, mine, subtract=True) is mine
+        assert same(mine, want), (rescale, first_difference(mine, want))
+    with pytest.raises(ValueError, match="expected"):
+        V.subset_scatter(vals[1:], k, seed, n, False)
+
+
 @interpreted
 @pytest.mark.parametrize("bits", [(2, 6), (2, 4, 8)])
 def test_multiscale_on_the_implicit_subset(bits, fresh, monkeypatch):
@@ -162,6 +206,17 @@ def test_where_the_histogram_cannot_decide_the_indices_do(case, fresh, monkeypat
         ref[idx] = R.uniform_decode(want, scale, 7, None, 4, k)
     assert same(kernels.subset_uniform_decode(want, scale, 7, 4, k, seed, n, False, indices), ref)
     assert asked or k in (0, n)
+    asked.clear()
+    assert same(kernels.subset_gather(x, k, seed, indices), x[idx]) and asked
+    asked.clear()
+    vals = data(k, 5)
+    ref = torch.zeros(n)
+    ref[idx] = vals
+    assert same(kernels.subset_scatter(vals, k, seed, n, False, indices), ref)
+    u = data(n, 6)
+    want, mine = _subtracted(u, idx, vals, None), u.clone()
+    kernels.subset_scatter(vals, k, seed, n, False, indices, mine, subtract=True)
+    assert same(mine, want) and (asked or k in (0, n))
 
 
 def test_draws_of_distinct_counters_are_distinct():
@@ -215,14 +270,16 @@ def _counted(monkeypatch, mode, module=K):
 
 
 @interpreted
-def test_encode_and_decode_hold_no_subset(fresh, monkeypatch):
+@pytest.mark.parametrize("spec,field,largest", [("randk-maxnorm:ratio=0.01,bits=4", "codes", 0.75),
+                                                ("randk:ratio=0.01,rescale=1", "values", 4.25)])
+def test_encode_and_decode_hold_no_subset(spec, field, largest, fresh, monkeypatch):
     """Through the API (a new shared seed, so the selection is made inside the call): an encode
     allocates at most its payload, the histogram (4 bytes a bin), one int32 a program and a few
-    scalars; the indices alone would be 8 bytes a selected value, 16× a 4-bit payload. A decode
-    into ``out=`` allocates only the selection's part of that."""
+    scalars; the indices alone would be 8 bytes a selected value, 16× a 4-bit payload and 2× Rand-K's
+    values. A decode into ``out=`` allocates only the selection's part of that."""
     n = 100_003
-    q = gradq.build("randk-maxnorm:ratio=0.01,bits=4")
-    k = q.num_selected(n)
+    q = gradq.build(spec)
+    k = q.count(n) if hasattr(q, "count") else q.num_selected(n)
     x = torch.randn(n, generator=torch.Generator().manual_seed(5))   # (finite sum: the screen's one pass)
     try:
         mode = Allocations()
@@ -231,9 +288,9 @@ def test_encode_and_decode_hold_no_subset(fresh, monkeypatch):
             enc = q.encode(x, seed=1, shared_seed=77)
         programs = -(-n // T.TUNING["randk_elems"])
         selection = 4 * (1 << K._bin_bits(k)) + 4 * programs + 512   # (the 512: a few scalars)
-        assert enc.fields["codes"].numel() <= mode.total <= enc.nbytes + selection < 8 * k, (
+        assert enc.fields[field].nbytes <= mode.total <= enc.nbytes + selection < enc.nbytes + 8 * k, (
             mode.total, enc.nbytes, selection)   # (the payload is counted: the count is not blind)
-        assert mode.largest < 0.75 * k   # (the codes field: k/2 bytes)
+        assert mode.largest < largest * k   # (the payload's largest field)
         out = torch.empty(n)
         monkeypatch.setattr(K, "_LAST", None)
         mode = Allocations()
@@ -247,18 +304,54 @@ def test_encode_and_decode_hold_no_subset(fresh, monkeypatch):
     assert same(out, q.decode(ref))
 
 
+@interpreted
+@pytest.mark.parametrize("spec", ["randk:ratio=0.01", "randk:k=900,rescale=1"])
+def test_rand_k_through_the_api(spec, fresh, monkeypatch):
+    """Rand-K on the Triton backend: the torch backend's bytes, decodes (new and into ``out=``), means
+    (workers that share a seed, as the hook's do, without the indices; and payloads of two seeds)
+    and error feedback's subtraction, bit for bit."""
+    n = 60_001
+    xs = [data(n, 40 + j) for j in range(3)]
+
+    def run(triton: bool):
+        kernels.set_backend("triton" if triton else "torch")
+        q = gradq.build(spec)
+        shared = [q.encode(x, seed=j, shared_seed=91) for j, x in enumerate(xs)]
+        mixed = [q.encode(x, seed=j, shared_seed=91 + j % 2) for j, x in enumerate(xs)]
+        got = {"decode": q.decode(shared[0]), "into": q.decode(shared[1], out=torch.full((n,), float("nan"))),
+               "mean": q.decode_mean(shared, out=torch.full((n,), float("nan"))),
+               "mixed mean": q.decode_mean(mixed)}
+        u = data(n, 50)
+        assert q.subtract_decode_(u, shared[2])
+        got["subtract"] = u
+        return shared + mixed, got
+
+    ref_payloads, ref = run(False)
+    monkeypatch.setattr(R, "random_subset", _refuse)   # (the shared seed's: selected on the device)
+    real = S.random_subset
+    asked = []
+    monkeypatch.setattr(S, "random_subset", lambda *a: asked.append(a[2]) or real(*a))
+    payloads, got = run(True)
+    for p, r in zip(payloads, ref_payloads):
+        assert p.same_bytes(r), first_difference(p, r)
+    for key in ref:
+        assert same(got[key], ref[key]), (key, first_difference(got[key], ref[key]))
+    assert asked == [91, 92]   # (the indices only for the mean of two seeds, once each)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_randk_bytes_and_peak():
     """On CUDA (atomic ORs and maxima in whatever order the programs run): the CPU's bytes and
-    decode for 25M values, three shared seeds, both norms, both variants; and the encode's peak
+    decode for 25M values, three shared seeds, both norms, both variants and plain Rand-K; and the encode's peak
     extra memory, with a new shared seed (the selection made inside the call), at most 1.25× the
     payload."""
     n = 25_000_000
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     xc = x.cuda()
     for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-maxnorm:ratio=0.002,bits=3,norm=l2,rescale=1",
-                 "randk-multiscale:ratio=0.01,bits=2+6", "randk-multiscale:ratio=0.005,bits=2+4+8,rescale=1"):
+                 "randk-multiscale:ratio=0.01,bits=2+6", "randk-multiscale:ratio=0.005,bits=2+4+8,rescale=1",
+                 "randk:ratio=0.01", "randk:ratio=0.002,rescale=1"):
         q = gradq.build(spec)
         for shared in (5, -9, 2**62):
             enc = q.encode(xc, seed=2, shared_seed=shared)
@@ -266,7 +359,7 @@ def test_gpu_randk_bytes_and_peak():
             ref = q.encode(x, seed=2, shared_seed=shared)
             assert enc.same_bytes(ref), (spec, shared, first_difference(enc, ref))
             assert same(dec.cpu(), q.decode(ref)), (spec, shared)
-    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"):
+    for spec in ("randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6", "randk:ratio=0.01"):
         q = gradq.build(spec)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

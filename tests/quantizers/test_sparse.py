@@ -368,7 +368,8 @@ def test_randk_decode_mean_is_the_generic_sum_and_selects_once_a_seed(monkeypatc
     import gradq.quantizers.sparse as sparse
 
     q = gradq.build(spec)
-    shared = {"shared": [7] * 4, "each its own": [7, 8, 9, 10], "two": [7, 8, 7, 8]}[seeds]
+    # (three payloads that share a seed: a mean over M = 3 is not a product by 1/M; four of two seeds)
+    shared = {"shared": [7] * 3, "each its own": [7, 8, 9, 10], "two": [7, 8, 7, 8]}[seeds]
     payloads = []
     for j, s in enumerate(shared):
         x = _vec(3000, seed=30 + j)

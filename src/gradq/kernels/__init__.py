@@ -53,7 +53,8 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
-           "multiscale_decode", "random_subset", "topk_select", "sparse_mean_zero_signs", "subset_norm", "subset_uniform_encode", "subset_uniform_decode",
+           "multiscale_decode", "random_subset", "topk_select", "sparse_mean_zero_signs", "subset_norm",
+           "subset_gather", "subset_scatter", "subset_uniform_encode", "subset_uniform_decode",
            "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields",
            "elias_encode", "elias_decode", "sum_is_finite", "crc32_field",
            "deferred_checks", "DeferredChecks"]
@@ -449,5 +450,5 @@ def sum_is_finite(t: torch.Tensor) -> bool:
 # the CRC-32 of payload fields and Elias-coded QSGD's primitives, and the RandK variants' primitives on
 # their subset (modules of their own: the package stays one screen of dispatch per family)
 from .elias_ops import crc32_field, elias_decode, elias_encode, elias_fields_stream, elias_stream_fields  # noqa: E402
-from .subset_ops import (subset_multiscale_decode, subset_multiscale_encode, subset_norm,  # noqa: E402
-                         subset_uniform_decode, subset_uniform_encode)
+from .subset_ops import (subset_gather, subset_multiscale_decode, subset_multiscale_encode,  # noqa: E402
+                         subset_norm, subset_scatter, subset_uniform_decode, subset_uniform_encode)

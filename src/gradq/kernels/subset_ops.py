@@ -1,9 +1,11 @@
-"""The RandK variants' primitives on their subset, dispatched like the rest of :mod:`gradq.kernels`.
+"""Rand-K's and the RandK variants' primitives on their subset, dispatched like the rest of
+:mod:`gradq.kernels`.
 
 ``indices`` gives ``random_subset(n, k, seed)`` on the tensor's device (the quantizer keeps its last
 selection). The Triton backend does not call it where its implicit subset decides
-(:mod:`gradq.kernels.triton_randk`: no index and no gathered value is ever stored); the other
-backends gather, run the package's primitives on the ``k`` values and scatter.
+(:mod:`gradq.kernels.triton_randk` and :mod:`gradq.kernels.triton_randk_values`: no index and no
+gathered value is ever stored); the other backends gather, run the package's primitives on the
+``k`` values and scatter.
 """
 
 from __future__ import annotations
@@ -19,6 +21,43 @@ from . import (RngLike, backend_for, l2_scales, maxabs_scales, multiscale_decode
 def _randk() -> Any:
     from . import triton_randk
     return triton_randk
+
+
+def _randk_values() -> Any:
+    from . import triton_randk_values
+    return triton_randk_values
+
+
+def subset_gather(x: torch.Tensor, k: int, seed: int, indices: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Rand-K's values: the ``k`` coordinates ``random_subset(x.numel(), k, seed)`` of ``x`` in
+    increasing position, as a float32 tensor of their own."""
+    if x.numel() and backend_for(x) == "triton":
+        got = _randk_values().subset_gather(x, k, seed)
+        if got is not None:
+            return got
+    return x.reshape(-1)[indices()].contiguous()
+
+
+def subset_scatter(values: torch.Tensor, k: int, seed: int, n: int, rescale: bool,
+                   indices: Callable[[], torch.Tensor], out: Optional[torch.Tensor] = None,
+                   subtract: bool = False) -> torch.Tensor:
+    """Rand-K's decode: the ``n`` float32 values whose coordinates ``random_subset(n, k, seed)`` hold
+    the ``k`` ``values`` (each times ``float32(n/k)`` with ``rescale``) and whose others are zero, in
+    ``out`` or a new tensor. With ``subtract`` (``out`` given): ``out`` minus that decode, in place,
+    bit for bit, touching only the ``k`` coordinates (error feedback's ``u − decode``)."""
+    if k and k < n and backend_for(values) == "triton":
+        got = _randk_values().subset_scatter(values, k, seed, n, rescale, out, subtract)
+        if got is not None:
+            return got
+    if not subtract:
+        return _scatter_into(values, n, k, rescale, indices(), out)
+    if out is None:
+        raise ValueError("subtract needs out=")
+    if k:
+        idx = indices()
+        flat = out.view(-1)
+        flat[idx] = flat[idx] - (values * (n / k) if rescale else values).to(device=out.device, dtype=torch.float32)
+    return out
 
 
 def subset_norm(x: torch.Tensor, k: int, seed: int, norm: str,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..random import RandomStream
@@ -357,8 +358,9 @@ def _scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _factor(n: int, k: int, rescale: bool) -> float:
-    """``float32(n/k)`` (the reference multiplies by the Python float, in float32), or 1."""
-    return float(torch.tensor(n / k, dtype=torch.float32)) if rescale else 1.0
+    """``float32(n/k)`` (the reference multiplies by the Python float, in float32), or 1; rounded
+    on the host (no tensor: nothing for a device to wait on)."""
+    return float(np.float32(n / k)) if rescale else 1.0
 
 
 # -- the primitives --------------------------------------------------------------------

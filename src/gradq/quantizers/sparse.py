@@ -26,7 +26,7 @@ The shared selection (:func:`shared_random_indices`) is also used by GlobalRandK
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -240,57 +240,99 @@ class RandK(_Sparse):
     def field_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         return {"values": (torch.float32, self.count(numel)), "seed": (torch.int64, 1)}
 
+    def coordinates(self, numel: int, kk: int, seed: int, device: torch.device | str,
+                    keep: bool = False) -> torch.Tensor:
+        """The ``kk`` coordinates a shared seed selects (:func:`shared_random_indices`). An encode's
+        selection is kept (``keep``; one tuple, replaced whole: safe for the hook's worker thread), so
+        that the decodes of the same seed that follow it do not select again."""
+        key = (numel, kk, int(seed) & _U64, torch.device(device))
+        last = getattr(self, "_last", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        idx = shared_random_indices(numel, kk, seed, device)
+        if keep:
+            self._last = (key, idx)
+        return idx
+
+    def _indices(self, numel: int, kk: int, seed: int, device: torch.device,
+                 keep: bool = False) -> Callable[[], torch.Tensor]:
+        """The selection as the subset primitives ask for it (only where they do not select on the
+        device themselves)."""
+        return lambda: self.coordinates(numel, kk, seed, device, keep)
+
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if ctx.shared_seed is None:  # the base always supplies one; guard direct calls
             raise ValueError(f"{self.name}: needs a shared seed")
         n = v.numel()
         kk = self.count(n)
-        idx = shared_random_indices(n, kk, ctx.shared_seed, v.device)
-        self._last = (n, kk, int(ctx.shared_seed) & _U64, idx)   # (a decode of the same seed next: no reselection)
-        seed = torch.tensor([signed64(ctx.shared_seed)], dtype=torch.int64, device=v.device)
-        return {"values": v[idx].contiguous(), "seed": seed}
+        seed = int(ctx.shared_seed) & _U64
+        values = kernels.subset_gather(v, kk, seed, self._indices(n, kk, seed, v.device, keep=True))
+        return {"values": values, "seed": torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32, device=fields["values"].device)
         self._decode_into(fields, numel, out)
         return out
 
+    @staticmethod
+    def _seed(fields: Mapping[str, torch.Tensor]) -> int:
+        """The payload's shared seed (a host read where the field is on a device)."""
+        return int(fields["seed"].reshape(-1)[0].item()) & _U64
+
     def _kept(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device,
-              chosen: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              chosen: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, values)`` of a payload on ``device``: the coordinates its seed selects (looked
-        up in ``chosen``, by seed and count, where given) and its values (times ``n/K`` with rescale)."""
+        up in ``chosen`` by seed and count, and kept there) and its values (times ``n/K`` with
+        rescale)."""
         values = fields["values"].to(device=device, dtype=torch.float32)
         kk = values.numel()
-        seed = int(fields["seed"].reshape(-1)[0].item()) & _U64
-        last = getattr(self, "_last", None)
-        if chosen is not None and (seed, kk) in chosen:
-            idx = chosen[(seed, kk)]
-        elif last is not None and last[:3] == (numel, kk, seed) and last[3].device == torch.device(device):
-            idx = last[3]                        # the selection of this quantizer's last encode
-        else:
-            idx = shared_random_indices(numel, kk, seed, device)
-        if chosen is not None:
-            chosen[(seed, kk)] = idx
+        seed = self._seed(fields)
+        if (seed, kk) not in chosen:
+            chosen[(seed, kk)] = self.coordinates(numel, kk, seed, device)
         if self.rescale and kk:
             values = values * (numel / kk)
-        return idx, values
+        return chosen[(seed, kk)], values
 
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         """Zeros and the kept values straight into ``out``."""
-        idx, values = self._kept(fields, numel, out.device)
-        out.zero_()
-        out[idx] = values
+        values = fields["values"].to(device=out.device, dtype=torch.float32)
+        kk, seed = values.numel(), self._seed(fields)
+        kernels.subset_scatter(values, kk, seed, numel, self.rescale, self._indices(numel, kk, seed, out.device),
+                               out)
         return True
 
     def _decode_mean_into(self, fields: Sequence[Mapping[str, torch.Tensor]], numel: int,
                           out: torch.Tensor) -> bool:
-        """The mean of the payloads' decodes without a dense decode each (:meth:`_Sparse._mean_at`),
-        each distinct seed's coordinates selected once (workers that share a seed, as the DDP hook's
-        do, share them all)."""
-        chosen: dict = {}
-        kept = [self._kept(f, numel, out.device, chosen) for f in fields]
-        return self._mean_at([k[0] for k in kept], [k[1] for k in kept], out)
+        """The mean of the payloads' decodes without a dense decode each.
+
+        Payloads that share one seed (the DDP hook's workers do) hold the same coordinates: their
+        values (rescaled each) are added in list order, divided by ``M`` and scattered, ``+0.0``
+        elsewhere, which is the dense ``((d_0 + d_1) + …) / M`` bit for bit (a coordinate none holds
+        is ``+0.0 / M``). Otherwise :meth:`_Sparse._mean_at`, each distinct seed's coordinates
+        selected once."""
+        values = [f["values"].to(device=out.device, dtype=torch.float32) for f in fields]
+        keys = [(self._seed(f), v.numel()) for f, v in zip(fields, values)]
+        if len(set(keys)) > 1:
+            chosen: dict = {}
+            kept = [self._kept(f, numel, out.device, chosen) for f in fields]
+            return self._mean_at([k[0] for k in kept], [k[1] for k in kept], out)
+        seed, kk = keys[0]
+        if self.rescale and kk:
+            values = [v * (numel / kk) for v in values]
+        acc = values[0].clone()
+        for v in values[1:]:
+            acc += v
+        acc.div_(len(values))
+        kernels.subset_scatter(acc, kk, seed, numel, False, self._indices(numel, kk, seed, out.device), out)
+        return True
 
     def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
-        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``)."""
-        return self._subtract_at(u, payload, lambda: self._kept(payload.fields, payload.numel, u.device))
+        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``),
+        for a contiguous float32 ``u`` of the payload's coordinates (else ``False``, ``u`` untouched)."""
+        if u.dtype != torch.float32 or not u.is_contiguous() or u.numel() != payload.numel:
+            return False
+        values = payload.fields["values"].to(device=u.device, dtype=torch.float32)
+        kk, seed = values.numel(), self._seed(payload.fields)
+        kernels.subset_scatter(values, kk, seed, u.numel(), self.rescale,
+                               self._indices(u.numel(), kk, seed, u.device), u.view(-1), subtract=True)
+        return True
