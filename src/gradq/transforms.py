@@ -230,7 +230,8 @@ class ErrorFeedback(Quantizer):
         u = self._corrected(x, name, state, screen=False, into=into)
         payload = self.inner.encode(u, seed=seed, generator=generator, shared=shared,
                                     shared_seed=shared_seed, name=name, check_finite=check_finite)
-        if not self.inner.subtract_decode_(u, payload):   # (u is this call's own: x + e, new or the spare)
+        # (u is this call's own: x + e, new or the spare; the payload is the inner's own, just encoded)
+        if not self.inner.subtract_decode_(u, payload, trusted=True):
             decoded = self.inner.decode(payload).to(torch.float32)
             # in place unless a field of the payload is u's memory (a cast that kept u as its field)
             ours = u.untyped_storage().data_ptr()

@@ -923,7 +923,8 @@ def test_gpu_non_finite_input_is_found_after_the_encode(spec):
 @gpu
 @pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512,norm=l2", "maxnorm:bits=4",
                                   "terngrad", "terngrad:pack=2bit,bucket=4096", "multiscale:bits=2+6",
-                                  "signsgd", "onebit:ef=0", "bingrad-b", "linear:levels=5", "ef(qsgd:bits=2)"])
+                                  "signsgd", "onebit:ef=0", "bingrad-b", "linear:levels=5", "ef(qsgd:bits=2)",
+                                  "topk:ratio=0.01", "ef(topk:ratio=0.01)"])
 def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
     """``encode(check_finite=False)``, as the DDP hook calls it, asks nothing of the device on the
     host: under torch's synchronization debug mode "error" any call that waits for the GPU (a host

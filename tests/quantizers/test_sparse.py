@@ -439,7 +439,7 @@ def test_error_feedback_residual_without_a_dense_decode(monkeypatch, spec, layou
     """The residual ``u − decode(Q(u))`` from the kept positions only is bit for bit the dense one,
     step after step (signed zeros among the gradients); a transposed gradient takes the dense way."""
     fast, dense = gradq.build(spec), gradq.build(spec)
-    monkeypatch.setattr(dense.inner, "subtract_decode_", lambda u, p: False)
+    monkeypatch.setattr(dense.inner, "subtract_decode_", lambda u, p, **kw: False)
     decodes = []
     real = fast.inner.decode
     monkeypatch.setattr(fast.inner, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))

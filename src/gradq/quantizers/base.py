@@ -313,11 +313,13 @@ class Quantizer:
         """Decode straight into the flat float32 ``out`` if this scheme has such a path (return True)."""
         return False
 
-    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload, *, trusted: bool = False) -> bool:
         """``u −= decode(payload)`` in place, bit for bit, where the scheme can without a dense decode
         (the sparse schemes: their ``K`` values at their positions); ``False`` where it cannot, and
         ``u`` is then untouched. ``u``: float32, the payload's coordinates, sharing no memory with its
-        fields (error feedback's residual of a payload it just encoded)."""
+        fields (error feedback's residual of a payload it just encoded). ``trusted``: the payload is
+        this quantizer's own, just encoded and untouched since, so its fields are not checked again
+        (on a GPU each check is a host read; error feedback passes True)."""
         return False
 
     def decode_mean(self, payloads: Sequence[Payload], *, out: Optional[torch.Tensor] = None) -> torch.Tensor:

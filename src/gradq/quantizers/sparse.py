@@ -169,13 +169,15 @@ class TopK(_Sparse):
         self._decode_into(fields, numel, out)
         return out
 
-    def _indices(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+    def _indices(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device,
+                 check: bool = True) -> torch.Tensor:
         """The payload's indices as int64 on ``device``, refused unless strictly increasing in ``[0, numel)``:
         one host read (the count of what is wrong), none inside :func:`gradq.kernels.deferred_checks`,
         where a corrupt payload is counted there and its indices are clamped into range, so that the
-        decode stays in bounds (its output is then not meaningful, as the check says later)."""
+        decode stays in bounds (its output is then not meaningful, as the check says later). Without
+        ``check`` (this quantizer's own payload, just encoded) as they are."""
         idx = fields["indices"].to(device=device, dtype=torch.int64)
-        if not idx.numel():
+        if not idx.numel() or not check:
             return idx
         bad = (idx[:1] < 0) | (idx[-1:] >= numel)
         if idx.numel() > 1:
@@ -206,9 +208,11 @@ class TopK(_Sparse):
         idxs = [self._indices(f, numel, out.device) for f in fields]
         return self._mean_at(idxs, [f["values"] for f in fields], out)
 
-    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
-        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``)."""
-        return self._subtract_at(u, payload, lambda: (self._indices(payload.fields, payload.numel, u.device),
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload, *, trusted: bool = False) -> bool:
+        """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is
+        ``u``); a ``trusted`` payload's indices are not checked again (no host read)."""
+        return self._subtract_at(u, payload, lambda: (self._indices(payload.fields, payload.numel, u.device,
+                                                                    check=not trusted),
                                                       payload.fields["values"]))
 
 
@@ -267,7 +271,9 @@ class RandK(_Sparse):
         kk = self.count(n)
         seed = int(ctx.shared_seed) & _U64
         values = kernels.subset_gather(v, kk, seed, self._indices(n, kk, seed, v.device, keep=True))
-        return {"values": values, "seed": torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)}
+        field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
+        self._encoded_seed = (field, seed)   # (a trusted subtraction of this payload reads no seed)
+        return {"values": values, "seed": field}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32, device=fields["values"].device)
@@ -326,13 +332,16 @@ class RandK(_Sparse):
         kernels.subset_scatter(acc, kk, seed, numel, False, self._indices(numel, kk, seed, out.device), out)
         return True
 
-    def subtract_decode_(self, u: torch.Tensor, payload: Payload) -> bool:
+    def subtract_decode_(self, u: torch.Tensor, payload: Payload, *, trusted: bool = False) -> bool:
         """Error feedback's ``u − decode(payload)`` at the ``K`` kept positions only (``u − 0.0`` is ``u``),
-        for a contiguous float32 ``u`` of the payload's coordinates (else ``False``, ``u`` untouched)."""
+        for a contiguous float32 ``u`` of the payload's coordinates (else ``False``, ``u`` untouched).
+        A ``trusted`` payload of this quantizer's last encode gives its seed without a host read."""
         if u.dtype != torch.float32 or not u.is_contiguous() or u.numel() != payload.numel:
             return False
         values = payload.fields["values"].to(device=u.device, dtype=torch.float32)
-        kk, seed = values.numel(), self._seed(payload.fields)
+        last = getattr(self, "_encoded_seed", None)
+        own = trusted and last is not None and payload.fields["seed"] is last[0]
+        kk, seed = values.numel(), last[1] if own else self._seed(payload.fields)
         kernels.subset_scatter(values, kk, seed, u.numel(), self.rescale,
                                self._indices(u.numel(), kk, seed, u.device), u.view(-1), subtract=True)
         return True
