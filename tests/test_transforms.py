@@ -170,29 +170,31 @@ def test_non_finite_input_on_the_summable_path(entry, bad_value):
 
 
 @pytest.mark.parametrize("spec", ["ef(maxnorm:bits=4)", "ef(maxnorm:bits=2,bucket=64)", "ef(maxnorm:bits=8)",
-                                  "ef(terngrad)"])
+                                  "ef(terngrad)", "ef(randk-maxnorm:ratio=0.3,bits=4,rescale=1)"])
 def test_fields_and_codes_give_the_same_codes_and_residuals(spec):
     """The integer all-reduce's fast path under error feedback (encode_fields, the inner's fused
-    kernels) gives the codes and residuals of encode_codes, bit for bit, step after step."""
+    kernels) gives the codes and residuals of encode_codes, bit for bit, step after step (the
+    shared seed: GlobalRandK's coordinates; the others ignore it)."""
     a, b = gradq.build(spec), gradq.build(spec)
     if not a.summable:
         pytest.skip("not summable")
     for step in range(3):
         x = torch.randn(3000, generator=torch.Generator().manual_seed(step))
-        shared = {k: s.value for k, s in a.shared_stats(x, name="w").items()}
-        assert all(torch.equal(v, b.shared_stats(x, name="w")[k].value) for k, v in shared.items())
-        fields = a.encode_fields(x, shared=shared, seed=step, name="w")
-        codes = b.encode_codes(x, shared=shared, seed=step, name="w")
+        ss = 40 + step
+        shared = {k: s.value for k, s in a.shared_stats(x, name="w", shared_seed=ss).items()}
+        assert all(torch.equal(v, b.shared_stats(x, name="w", shared_seed=ss)[k].value) for k, v in shared.items())
+        fields = a.encode_fields(x, shared=shared, seed=step, name="w", shared_seed=ss)
+        codes = b.encode_codes(x, shared=shared, seed=step, name="w", shared_seed=ss)
         assert fields is not None and fields.dtype == torch.uint8
         assert torch.equal(fields.to(torch.int64) - a.max_code, codes.to(torch.int64))
         ra, rb = a.residuals["w"], b.residuals["w"]
         assert torch.equal(ra.view(torch.int32), rb.view(torch.int32)), step
-        avg = a.decode_field_sum(fields, shared=shared, count=1, like=x)
-        assert torch.equal(avg, b.decode_codes(codes, shared=shared, count=1, like=x))
+        avg = a.decode_field_sum(fields, shared=shared, count=1, like=x, shared_seed=ss)
+        assert torch.equal(avg, b.decode_codes(codes, shared=shared, count=1, like=x, shared_seed=ss))
 
 
 def test_fields_are_none_and_the_residual_untouched_without_a_fields_path():
-    ef = gradq.build("ef(randk-maxnorm:ratio=0.5)")   # (a shared seed: no fields path)
+    ef = gradq.build("ef(randk-multiscale:ratio=0.5)")   # (no fields path)
     x = torch.randn(100)
     shared = {k: s.value for k, s in ef.shared_stats(x, shared_seed=3).items()}
     assert ef.encode_fields(x, shared=shared, seed=0, shared_seed=3, name="w") is None

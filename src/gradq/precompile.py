@@ -47,8 +47,9 @@ def _exercise(spec: str, numel: int) -> None:
     shared = {k: s.value for k, s in stats.items()}
     fields = q.encode_fields(x, shared=shared, seed=4, shared_seed=3)
     if fields is not None:
-        q.decode_field_sum(fields.to(torch.int32) + fields.to(torch.int32), shared=shared, count=2, like=x)
-        q.decode_field_sum(fields, shared=shared, count=1, like=x)
+        q.decode_field_sum(fields.to(torch.int32) + fields.to(torch.int32), shared=shared, count=2, like=x,
+                           shared_seed=3)
+        q.decode_field_sum(fields, shared=shared, count=1, like=x, shared_seed=3)
     codes = q.encode_codes(x, shared=shared, seed=4, shared_seed=3)
     q.decode_codes(codes, shared=shared, count=1, like=x, shared_seed=3)
 

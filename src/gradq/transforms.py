@@ -263,34 +263,39 @@ class ErrorFeedback(Quantizer):
 
     def _summable_input(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
                         shared: Optional[Mapping[str, torch.Tensor]], shared_seed: Optional[int],
-                        check_finite: bool, into: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-        """``(x + e, shared)`` for the summable entry points, ``shared`` the inner's own statistics of
-        ``x + e`` where none are given."""
+                        check_finite: bool, into: Optional[torch.Tensor] = None,
+                        own: Optional[Mapping[str, SharedStat]] = None
+                        ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor], Optional[Mapping[str, SharedStat]]]:
+        """``(x + e, shared, own)`` for the summable entry points: where no ``shared`` is given, the
+        inner's own statistics of ``x + e``, which are then also ``own`` (what ``shared`` was
+        reduced from: :meth:`gradq.SummableQuantizer.encode_codes`)."""
         if not self.inner.summable:
             raise TypeError(f"{self.inner.name} codes are not summable")
+        if own is not None and shared is None:
+            raise ValueError(f"{self.spec}: own= describes the statistics shared= was reduced from; pass both")
         u = self._corrected(x, name, state, screen=False, into=into)   # (the inner screens u: encode_with)
         if shared is None:
-            shared = {k: s.value for k, s in self.inner.shared_stats(u, shared_seed=shared_seed,
-                                                                     check_finite=check_finite).items()}
-        return u, shared
+            own = self.inner.shared_stats(u, shared_seed=shared_seed, check_finite=check_finite)
+            shared = {k: s.value for k, s in own.items()}
+        return u, shared, own
 
     def encode_codes_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
                           shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
                           generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
-                          name: Optional[str] = None,
-                          check_finite: bool = True) -> tuple[torch.Tensor, ErrorFeedbackState]:
+                          name: Optional[str] = None, check_finite: bool = True,
+                          own: Optional[Mapping[str, SharedStat]] = None) -> tuple[torch.Tensor, ErrorFeedbackState]:
         """:meth:`encode_codes` on an explicit state: the codes and the next state."""
         return self._codes_step(x, state, None, shared=shared, seed=seed, generator=generator,
-                                shared_seed=shared_seed, name=name, check_finite=check_finite)
+                                shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
 
     def _codes_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
                     shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
                     generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
-                    check_finite: bool) -> tuple[torch.Tensor, ErrorFeedbackState]:
-        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite, into)
+                    check_finite: bool, own: Optional[Mapping[str, SharedStat]] = None
+                    ) -> tuple[torch.Tensor, ErrorFeedbackState]:
+        u, shared, own = self._summable_input(x, name, state, shared, shared_seed, check_finite, into, own)
         codes = self.inner.encode_codes(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
-                                        shared_seed=shared_seed, name=name, check_finite=check_finite)
+                                        shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
         mine = self.inner.decode_codes(codes, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
                                        shared_seed=shared_seed)
         return codes, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the codes are new)
@@ -298,35 +303,41 @@ class ErrorFeedback(Quantizer):
     def encode_fields_with(self, x: torch.Tensor, state: ErrorFeedbackState, *,
                            shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
                            generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
-                           name: Optional[str] = None,
-                           check_finite: bool = True) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+                           name: Optional[str] = None, check_finite: bool = True,
+                           own: Optional[Mapping[str, SharedStat]] = None
+                           ) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
         """:meth:`encode_fields` on an explicit state: the inner scheme's uint8 fields of ``x + e``
         (its fused path, the same codes as :meth:`encode_codes_with`) and the next state, whose
         residual subtracts this worker's own decode of them; ``(None, state)`` where the inner
         scheme has no fields path (then use :meth:`encode_codes_with`)."""
         return self._fields_step(x, state, None, shared=shared, seed=seed, generator=generator,
-                                 shared_seed=shared_seed, name=name, check_finite=check_finite)
+                                 shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
 
     def _fields_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
                      shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
                      generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
-                     check_finite: bool) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
-        u, shared = self._summable_input(x, name, state, shared, shared_seed, check_finite, into)
+                     check_finite: bool, own: Optional[Mapping[str, SharedStat]] = None
+                     ) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+        u, shared, own = self._summable_input(x, name, state, shared, shared_seed, check_finite, into, own)
         fields = self.inner.encode_fields(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
-                                          shared_seed=shared_seed, name=name, check_finite=check_finite)
+                                          shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
         if fields is None:
             return None, state
-        mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u)  # type: ignore[attr-defined]
+        mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
+                                           shared_seed=shared_seed)
         return fields, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the fields are new)
 
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       shared_seed: Optional[int] = None, name: Optional[str] = None,
-                      check_finite: bool = True) -> Optional[torch.Tensor]:
+                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None
+                      ) -> Optional[torch.Tensor]:
         """Fields of ``x + e`` under the shared stats through the inner scheme's fused path; updates
-        ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path)."""
+        ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path).
+        ``own``: this wrapper's :meth:`shared_stats` of ``x`` (the inner's of ``x + e``), as in
+        :meth:`gradq.SummableQuantizer.encode_codes`."""
         return self._held(self._fields_step, x, name, shared=shared, seed=seed, generator=generator,
-                          shared_seed=shared_seed, check_finite=check_finite)
+                          shared_seed=shared_seed, check_finite=check_finite, own=own)
 
     def decode_field_sum(self, total: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.inner.decode_field_sum(total, **kwargs)  # type: ignore[attr-defined]
@@ -334,10 +345,11 @@ class ErrorFeedback(Quantizer):
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                      shared_seed: Optional[int] = None, name: Optional[str] = None,
-                     check_finite: bool = True) -> torch.Tensor:
-        """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes."""
+                     check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None) -> torch.Tensor:
+        """Codes of ``x + e`` under the shared stats; updates ``e`` from this worker's own codes
+        (``own`` as in :meth:`encode_fields`)."""
         return self._held(self._codes_step, x, name, shared=shared, seed=seed, generator=generator,
-                          shared_seed=shared_seed, check_finite=check_finite)
+                          shared_seed=shared_seed, check_finite=check_finite, own=own)
 
     def decode_codes(self, codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.inner.decode_codes(codes, **kwargs)  # type: ignore[attr-defined]

@@ -943,6 +943,30 @@ def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4", "maxnorm:bits=2,bucket=4096", "terngrad", "ef(maxnorm:bits=4)"])
+def test_gpu_shared_scale_encode_never_waits_for_the_device(spec):
+    """The all-reduce protocol's encode as the DDP hook makes it (statistics, then fields under the
+    reduced ones with ``own=`` the statistics they were reduced from, unchecked): no call that waits
+    for the GPU (torch's synchronization debug mode "error" raises on one), and the fields of the
+    checked path."""
+    x = torch.randn(1 << 20, device="cuda")
+    q = gradq.build(spec)
+    stats = q.shared_stats(x)
+    shared = {k: s.value * 1.5 for k, s in stats.items()}   # (a reduction over workers: larger scales)
+    want = q.encode_fields(x, shared=shared, seed=1)
+    q = gradq.build(spec)                                    # (a fresh one: error feedback's state moves on)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        own = q.shared_stats(x, check_finite=False)
+        got = q.encode_fields(x, shared=shared, seed=1, check_finite=False, own=own)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("launches", [1, 2])
 def test_gpu_terngrad_statistics_of_many_blocks(launches, monkeypatch):
     """TernGrad's σ, bound and clipped max on CUDA over thousands of blocks, merged by the block that

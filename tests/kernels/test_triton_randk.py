@@ -339,6 +339,33 @@ def test_rand_k_through_the_api(spec, fresh, monkeypatch):
     assert asked == [91, 92]   # (the indices only for the mean of two seeds, once each)
 
 
+@interpreted
+@pytest.mark.parametrize("spec", ["randk-maxnorm:ratio=0.01,bits=4,rescale=1", "randk-maxnorm:k=300,bits=2,norm=l2"])
+def test_global_randk_fields_on_the_implicit_subset(spec, fresh, monkeypatch):
+    """The all-reduce's fields of GlobalRandK-MaxNorm (a byte ``c + s`` a selected value) and the
+    decode of three workers' sum (``s`` becomes ``3·s``) on the Triton backend: the torch
+    backend's bits, without the indices."""
+    n = 60_001
+    xs = [gradient_like(n, 20 + j) for j in range(3)]
+
+    def run(backend: str):
+        kernels.set_backend(backend)
+        q = gradq.build(spec)
+        stats = [q.shared_stats(x, shared_seed=9) for x in xs]
+        shared = {"scale": torch.stack([s["scale"].value for s in stats]).amax(0)}
+        fields = [q.encode_fields(x, shared=shared, seed=j, shared_seed=9, own=stats[j]) for j, x in enumerate(xs)]
+        total = torch.stack(fields).to(torch.int32).sum(0).to(torch.uint8)   # (2·3·s ≤ 255: a byte holds it)
+        return fields, q.decode_field_sum(total, shared=shared, count=3, like=xs[0], shared_seed=9)
+
+    ref_fields, ref = run("torch")
+    monkeypatch.setattr(R, "random_subset", _refuse)
+    monkeypatch.setattr(S, "random_subset", _refuse)
+    fields, got = run("triton")
+    for f, r in zip(fields, ref_fields):
+        assert same(f, r), first_difference(f, r)
+    assert same(got, ref), first_difference(got, ref)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_randk_bytes_and_peak():

@@ -207,8 +207,10 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
         fields = None
         with phase(info, "encode"):
             if max_code is not None and hasattr(q, "encode_fields"):
+                # (own: the statistics reduced[i] was reduced from, so the encode neither computes
+                # them again nor checks the reduction against them: a host read on a GPU)
                 fields = q.encode_fields(x, shared=reduced[i], seed=seed_r, shared_seed=shared_seeds[i], name=names[i],
-                                         check_finite=check_finite)
+                                         check_finite=check_finite, own=stats[i])
             if fields is not None:
                 # fast path: one byte c + s per coordinate; Σ_m fields fits uint8 when 2Ms ≤ 255
                 rule = code_dtype(world, int(max_code))
@@ -217,7 +219,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                 totals.append((fields.to(wire) if wide else fields, True))
             else:
                 codes = q.encode_codes(x, shared=reduced[i], seed=seed_r,  # type: ignore[attr-defined]
-                                       shared_seed=shared_seeds[i], name=names[i], check_finite=check_finite)
+                                       shared_seed=shared_seeds[i], name=names[i], check_finite=check_finite,
+                                       own=stats[i])
                 rule = codes.dtype if max_code is None else code_dtype(world, int(max_code))
                 wire = reduce_dtype(rule, backend)
                 totals.append((codes.to(wire).contiguous(), False))
@@ -235,7 +238,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     with phase(info, "decode"):
         for i, x in enumerate(xs):
             if totals[i][1]:
-                outs.append(q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x))
+                outs.append(q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x,
+                                               shared_seed=shared_seeds[i]))
             else:
                 outs.append(q.decode_codes(summed[i], shared=reduced[i], count=world, like=x,  # type: ignore[attr-defined]
                                            shared_seed=shared_seeds[i]))

@@ -29,7 +29,7 @@ from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
 from ..random import RandomStream, resolve_seed
 from ..spec import Param, format_value
 
-__all__ = ["Quantizer", "SummableQuantizer", "SharedStat", "EncodeContext", "check_finite"]
+__all__ = ["Quantizer", "SummableQuantizer", "SharedStat", "EncodeContext", "check_finite", "check_shared_scale"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -54,6 +54,19 @@ class EncodeContext:
     own: dict[str, SharedStat] = field(default_factory=dict)
     #: per-call values a scheme computes once in ``_own_stats`` and reuses in ``_encode``
     scratch: dict[str, Any] = field(default_factory=dict)
+    #: ``shared`` is a reduction that includes ``own`` (the caller says so: ``own=``), so it is not
+    #: checked against it (a host read on a GPU)
+    trusted: bool = False
+
+
+def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> None:
+    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one.
+    (Nothing to check, and no host read, when the "shared" scale is the worker's own.)"""
+    if shared is own:
+        return
+    if shared.numel() and bool((shared < own * (1 - 1e-6)).any()):
+        raise ValueError(f"{name}: the shared scale is below this worker's own norm; "
+                         "it must be the MAX over workers of shared_stats()['scale']")
 
 
 def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
@@ -198,14 +211,32 @@ class Quantizer:
         return x.detach().reshape(-1).to(torch.float32)
 
     def _context(self, v: torch.Tensor, rng: RandomStream, shared: Optional[Mapping[str, torch.Tensor]],
-                 shared_seed: Optional[int], name: Optional[str]) -> EncodeContext:
+                 shared_seed: Optional[int], name: Optional[str],
+                 own: Optional[Mapping[str, SharedStat]] = None) -> EncodeContext:
         """The encode context every encoding entry point starts from: its randomness, this worker's
         own statistics (``ctx.own``) and the ones to encode under (``ctx.shared``: the reduced
-        ``shared`` after a check of their names and shapes, or without it the worker's own)."""
-        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name)
-        own = ctx.own = self._own_stats(v, ctx)
-        ctx.shared = {k: s.value for k, s in own.items()} if shared is None else self._check_shared(shared, own)
+        ``shared`` after a check of their names and shapes, or without it the worker's own).
+
+        ``own``: this worker's :meth:`shared_stats` of the same tensor, which ``shared`` was reduced
+        from (as the all-reduce protocol has them). They are taken as ``ctx.own`` where a scheme's
+        own statistics are its shared ones (no second pass over ``v``), and ``shared`` is then
+        trusted: a reduction that includes them is not checked against them."""
+        if own is not None and shared is None:
+            raise ValueError(f"{self.name}: own= describes the statistics shared= was reduced from; pass both")
+        ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name, trusted=own is not None)
+        if own is not None and type(self)._own_stats is Quantizer._own_stats:
+            ctx.own = dict(own)
+        else:
+            ctx.own = self._own_stats(v, ctx)
+        ctx.shared = ({k: s.value for k, s in ctx.own.items()} if shared is None
+                      else self._check_shared(shared, ctx.own))
         return ctx
+
+    def _check_scale(self, ctx: EncodeContext, scale: torch.Tensor, name: Optional[str] = None) -> None:
+        """Refuse a shared ``scale`` below this worker's own (``ctx.own["scale"]``), unless the caller
+        vouched for it (``ctx.trusted``): :func:`check_shared_scale`."""
+        if not ctx.trusted:
+            check_shared_scale(name or self.name, scale, ctx.own["scale"].value)
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
@@ -433,13 +464,15 @@ class SummableQuantizer(Quantizer):
     def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                      shared_seed: Optional[int] = None, name: Optional[str] = None,
-                     check_finite: bool = True) -> torch.Tensor:
+                     check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None) -> torch.Tensor:
         """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats
-        (``check_finite`` as in :meth:`encode`)."""
+        (``check_finite`` as in :meth:`encode`). ``own``: this worker's :meth:`shared_stats` of
+        ``x``, which ``shared`` was reduced from (the all-reduce protocol passes them): not
+        computed again where the scheme can reuse them, and ``shared`` not checked against them."""
         v = self._flatten(x, name, self._screens(x, check_finite))
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
-        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
+        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
         return self._codes(v, ctx)
 
     def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
@@ -462,40 +495,51 @@ class SummableQuantizer(Quantizer):
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       shared_seed: Optional[int] = None, name: Optional[str] = None,
-                      check_finite: bool = True) -> Optional[torch.Tensor]:
+                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None
+                      ) -> Optional[torch.Tensor]:
         """The codes as one uint8 *field* ``c + max_code`` per coordinate, through a fused fast path;
         ``None`` where the scheme or device has none (then use :meth:`encode_codes`); ``check_finite``
-        as in :meth:`encode`.
+        and ``own`` as in :meth:`encode_codes`.
 
         Same randomness as :meth:`encode_codes`: ``fields − max_code`` equals its codes exactly. The
         sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
         ``2·M·max_code ≤ 255``, and :meth:`decode_field_sum` turns it into the average."""
         v = self._flatten(x, name, self._screens(x, check_finite))
-        if self.max_code is None or self.max_code > 127 or self.needs_shared_seed:   # (casts: no integer codes)
+        if self.max_code is None or self.max_code > 127 or not self._has_fields:   # (casts: no integer codes)
             return None
-        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name)
+        if self.needs_shared_seed and shared_seed is None:
+            raise ValueError(f"{self.name}: encode_fields needs shared_seed= (common to all workers)")
+        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
         return self._fields(v, ctx)
 
+    @property
+    def _has_fields(self) -> bool:
+        """Whether this scheme has a fields path (:meth:`_fields` overridden)."""
+        return type(self)._fields is not SummableQuantizer._fields
+
     def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,
-                         like: torch.Tensor) -> torch.Tensor:
+                         like: torch.Tensor, shared_seed: Optional[int] = None) -> torch.Tensor:
         """The average of ``count`` workers' decodes from the SUM of their :meth:`encode_fields`
-        (uint8, or any wider integer dtype); shaped like ``like``."""
+        (uint8, or any wider integer dtype); shaped like ``like``. ``shared_seed``: the one the
+        fields were encoded with, for schemes that need one."""
         if count < 1:
             raise ValueError("count must be >= 1")
+        if self.needs_shared_seed and shared_seed is None:
+            raise ValueError(f"{self.name}: decode_field_sum needs the fields' shared_seed=")
         n = like.numel()
         out = None
         if total.dtype == torch.uint8:
-            out = self._decode_field_sum(total, dict(shared), count, n)
+            out = self._decode_field_sum(total, dict(shared), count, n, shared_seed)
         if out is None:
             codes = total.to(torch.int64) - count * self.max_code
-            out = self._decode_codes(codes.to(torch.float32), dict(shared), n, None) / count
+            out = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
         return out.reshape(like.shape).to(like.dtype)
 
     def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
         return None
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
         return None
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:

@@ -21,22 +21,12 @@ import torch
 
 from ..codecs.bitpack import packed_nbytes
 from ..spec import IntParam, register
-from .base import EncodeContext, SharedStat, SummableQuantizer
+from .base import EncodeContext, SharedStat, SummableQuantizer, check_shared_scale
 from .. import kernels
 from ._common import bucket_view, code_width, num_buckets
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode
 
 __all__ = ["MaxNorm", "check_shared_scale"]
-
-
-def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> None:
-    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one.
-    (Nothing to check, and no host read, when the "shared" scale is the worker's own.)"""
-    if shared is own:
-        return
-    if shared.numel() and bool((shared < own * (1 - 1e-6)).any()):
-        raise ValueError(f"{name}: the shared scale is below this worker's own norm; "
-                         "it must be the MAX over workers of shared_stats()['scale']")
 
 
 @register("maxnorm")
@@ -78,12 +68,12 @@ class MaxNorm(SummableQuantizer):
 
     def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        self._check_scale(ctx, scale)
         return scale
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"]
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        self._check_scale(ctx, scale)
         return uniform_codes(bucket_view(v, self.bucket), scale, self.s, ctx.rng).reshape(-1)[: v.numel()]
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
@@ -107,7 +97,7 @@ class MaxNorm(SummableQuantizer):
         return kernels.uniform_encode(v, self._shared_scale(ctx), self.s, self.bucket, 8, ctx.rng)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes; the kernel's scale/(M·s) per bucket gives the average directly
         return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel)
 

@@ -48,7 +48,7 @@ from ..kernels.reference import multiscale_dequantize
 from ..spec import BoolParam, IntParam, IntTupleParam, register
 from .base import EncodeContext, SharedStat, SummableQuantizer
 from ._common import code_width, levels_from_bits, num_buckets
-from .maxnorm import MaxNorm, check_shared_scale
+from .maxnorm import MaxNorm
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items
 from .sparse import K_PARAM, RATIO_PARAM, select_count, shared_random_indices, signed64
 
@@ -125,7 +125,7 @@ class MultiScale(SummableQuantizer):
 
     def _fields_of(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         w = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(self.name, w, ctx.own["scale"].value)
+        self._check_scale(ctx, w)
         index = ctx.shared["scale_index"]
         if index is ctx.own["scale_index"].value:   # no shared indices: each value's own
             index = None
@@ -320,6 +320,22 @@ class RandKMaxNorm(_GlobalRandK):
                                              self.num_selected(numel), seed, numel, self.rescale,
                                              self._indices(numel, seed, codes.device), out)
 
+    # the all-reduce's fields (a byte c + s a selected coordinate) through the same subset primitives:
+    # MaxNorm's 8-bit fields of the sub-vector, and their sum's average scattered
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        seed = self._need_seed(ctx.shared_seed)
+        n = v.numel()
+        return kernels.subset_uniform_encode(v, self.num_selected(n), seed, self.inner._shared_scale(ctx),
+                                             self.inner.s, 8, ctx.rng, self._indices(n, seed, v.device))
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+        # Σ fields − M·s = Σ codes, and scale/(M·s) gives the average (as MaxNorm's own), then n/K
+        seed = self._need_seed(shared_seed)
+        return kernels.subset_uniform_decode(total, shared["scale"].to(torch.float32), count * self.inner.s, 8,
+                                             self.num_selected(numel), seed, numel, self.rescale,
+                                             self._indices(numel, seed, total.device))
+
 
 @register("randk-multiscale")
 class RandKMultiScale(_GlobalRandK):
@@ -361,7 +377,7 @@ class RandKMultiScale(_GlobalRandK):
         seed = self._need_seed(ctx.shared_seed)
         n, inner = v.numel(), self.inner
         w = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(inner.name, w, ctx.own["scale"].value)
+        self._check_scale(ctx, w, inner.name)
         codes, index = kernels.subset_multiscale_encode(v, self.num_selected(n), seed, w, inner.levels, inner.width,
                                                         inner.index_width, ctx.rng, self._indices(n, seed, v.device))
         fields = {"seed": torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device), "codes": codes}

@@ -38,7 +38,6 @@ from .base import EncodeContext, SharedStat, SummableQuantizer
 from .. import kernels
 from ..kernels.reference import clip_by_std, dequantize_uniform as uniform_decode, population_std, uniform_codes
 from ._common import bucket_view, num_buckets
-from .maxnorm import check_shared_scale
 
 __all__ = ["TernGrad", "clip_by_std", "population_std"]
 
@@ -108,13 +107,13 @@ class TernGrad(SummableQuantizer):
 
     def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"].to(torch.float32)
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        self._check_scale(ctx, scale)
         return scale
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         mat = self._clipped_matrix(v)
         scale = ctx.shared["scale"]
-        check_shared_scale(self.name, scale, ctx.own["scale"].value)
+        self._check_scale(ctx, scale)
         # With s = 1 level, floor(|g|/scale + u) is exactly Bernoulli(|g|/scale).
         return uniform_codes(mat, scale, 1, ctx.rng).reshape(-1)[: v.numel()]
 
@@ -152,7 +151,7 @@ class TernGrad(SummableQuantizer):
         return kernels.uniform_encode(v, self._shared_scale(ctx), 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
         return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
