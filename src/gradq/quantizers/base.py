@@ -109,6 +109,10 @@ class Quantizer:
     needs_shared_seed: ClassVar[bool] = False
     #: whether the scheme is meant to see one layer per call (TernGrad's layer-wise scalers)
     layerwise: ClassVar[bool] = False
+    #: whether every backend's encode runs on NaN/Inf harmlessly although no payload field holds every
+    #: one of them (the Rand-K family sends a few coordinates): then a caller that screened ``x`` itself
+    #: (``check_finite=False``) gets no screen, and the checked encode still screens up front
+    runs_on_nonfinite: ClassVar[bool] = False
 
     def __init__(self, **values: Any) -> None:
         known = {p.name: p for p in self.params}
@@ -268,9 +272,10 @@ class Quantizer:
         """
         witness = self._nonfinite_witness(x, shared)
         # with a witness the encode runs on NaN/Inf harmlessly: no screen first, and unless the caller
-        # screened x itself (check_finite=False), one look at the witness afterwards
+        # screened x itself (check_finite=False), one look at the witness afterwards; without one, a
+        # scheme that runs on them harmlessly skips only the screen the caller has made
         read = witness is not None and check_finite
-        v = self._flatten(x, name, screen=witness is None)
+        v = self._flatten(x, name, screen=witness is None and (check_finite or not self.runs_on_nonfinite))
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
             shared_seed = rng.child(0x5EED).seed
@@ -290,8 +295,8 @@ class Quantizer:
     def skips_finite_check(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]] = None) -> bool:
         """Whether ``encode(x, shared=shared, check_finite=False)`` skips the non-finite check (no
         screen of ``x``, no host read): True where this scheme's encode runs on NaN/Inf harmlessly on
-        every backend (see :meth:`_nonfinite_witness`)."""
-        return self._nonfinite_witness(x, shared) is not None
+        every backend (see :meth:`_nonfinite_witness` and :attr:`runs_on_nonfinite`)."""
+        return self.runs_on_nonfinite or self._nonfinite_witness(x, shared) is not None
 
     def _nonfinite_witness(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]]) -> Optional[str]:
         """The name of a payload field that holds a NaN or Inf whenever ``x`` does, where this

@@ -170,6 +170,9 @@ class _GlobalRandK(SummableQuantizer):
     """Shared-seed Rand-K around a summable inner quantizer applied to the selected sub-vector."""
 
     needs_shared_seed = True
+    # (the inner scheme's kernels on the selected values, which run on NaN/Inf harmlessly as its own
+    # do; no field shows every NaN/Inf of x, so the checked encode screens x up front)
+    runs_on_nonfinite = True
     inner: SummableQuantizer
 
     def _check_k(self, k: Optional[int], ratio: Optional[float]) -> Optional[float]:

@@ -229,6 +229,7 @@ class RandK(_Sparse):
 
     params = (K_PARAM, RATIO_PARAM, BoolParam("rescale", False, "multiply kept values by n/K (unbiased)"))
     needs_shared_seed = True
+    runs_on_nonfinite = True   # (a gather and a scatter: a NaN/Inf is only carried, where selected)
 
     def __init__(self, k: Optional[int] = None, ratio: Optional[float] = None, rescale: bool = False) -> None:
         super().__init__(k=k, ratio=ratio, rescale=rescale)
