@@ -366,6 +366,37 @@ def test_global_randk_fields_on_the_implicit_subset(spec, fresh, monkeypatch):
     assert same(got, ref), first_difference(got, ref)
 
 
+class _FromHost(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that wait for a GPU on the host: reads of a value, and tensors made from
+    host data (a blocking copy to the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "lift_fresh"):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@interpreted
+@pytest.mark.parametrize("spec", ["randk:ratio=0.01", "randk-maxnorm:ratio=0.01,bits=4",
+                                  "randk-multiscale:ratio=0.01,bits=2+6", "ef(randk:ratio=0.01,rescale=1)"])
+def test_unchecked_randk_encodes_wait_for_nothing(spec, fresh):
+    """The DDP hook's encode of the Rand-K family on the Triton backend (``check_finite=False``, the
+    selection of this step's shared seed made): no host read and no tensor made from host data (the
+    seed field is filled on the device), and the checked encode's bytes."""
+    x = gradient_like(50_001, 3)
+    want = gradq.build(spec).encode(x, seed=1, shared_seed=21)   # (also makes the selection)
+    q = gradq.build(spec)
+    with _FromHost() as mode:
+        got = q.encode(x, seed=1, shared_seed=21, check_finite=False)
+    assert mode.names == []
+    assert got.same_bytes(want), first_difference(got, want)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_randk_bytes_and_peak():

@@ -50,7 +50,7 @@ from .base import EncodeContext, SharedStat, SummableQuantizer
 from ._common import code_width, levels_from_bits, num_buckets
 from .maxnorm import MaxNorm
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items
-from .sparse import K_PARAM, RATIO_PARAM, select_count, shared_random_indices, signed64
+from .sparse import K_PARAM, RATIO_PARAM, seed_field, select_count, shared_random_indices
 
 __all__ = ["MultiScale", "RandKMaxNorm", "RandKMultiScale", "multiscale_levels"]
 
@@ -246,8 +246,7 @@ class _GlobalRandK(SummableQuantizer):
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         seed = self._need_seed(ctx.shared_seed)
-        seed_field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
-        return {"seed": seed_field, **self.inner._encode(self._select(v, seed), ctx)}
+        return {"seed": seed_field(seed, v.device), **self.inner._encode(self._select(v, seed), ctx)}
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         return self._decode_selected(fields, numel, None)
@@ -312,8 +311,7 @@ class RandKMaxNorm(_GlobalRandK):
         scale = self.inner._shared_scale(ctx)
         codes = kernels.subset_uniform_encode(v, self.num_selected(n), seed, scale, self.inner.s, self.inner.width,
                                               ctx.rng, self._indices(n, seed, v.device))
-        seed_field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
-        return {"seed": seed_field, "codes": codes, "scales": scale}
+        return {"seed": seed_field(seed, v.device), "codes": codes, "scales": scale}
 
     def _decode_selected(self, fields: Mapping[str, torch.Tensor], numel: int,
                          out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -383,7 +381,7 @@ class RandKMultiScale(_GlobalRandK):
         self._check_scale(ctx, w, inner.name)
         codes, index = kernels.subset_multiscale_encode(v, self.num_selected(n), seed, w, inner.levels, inner.width,
                                                         inner.index_width, ctx.rng, self._indices(n, seed, v.device))
-        fields = {"seed": torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device), "codes": codes}
+        fields = {"seed": seed_field(seed, v.device), "codes": codes}
         if inner.index_width:
             fields["index"] = index
         fields["scales"] = w

@@ -37,7 +37,7 @@ from ..spec import BoolParam, FloatParam, IntParam, register
 from ..payload import Payload
 from .base import EncodeContext, Quantizer
 
-__all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64"]
+__all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64", "seed_field"]
 
 _INT32_MAX = (1 << 31) - 1
 _U64 = (1 << 64) - 1
@@ -74,6 +74,13 @@ def signed64(seed: int) -> int:
     """A 64-bit seed as the int64 with the same bits (what the ``seed`` field holds)."""
     s = int(seed) & _U64
     return s - (1 << 64) if s >= (1 << 63) else s
+
+
+def seed_field(seed: int, device: torch.device | str) -> torch.Tensor:
+    """The payload's ``seed`` field: one int64 on ``device``, filled there (``torch.full``: the value
+    travels as a kernel argument, where ``torch.tensor([...], device=...)`` copies it from host memory,
+    which on a GPU waits for the device)."""
+    return torch.full((1,), signed64(seed), dtype=torch.int64, device=device)
 
 
 class _Sparse(Quantizer):
@@ -272,7 +279,7 @@ class RandK(_Sparse):
         kk = self.count(n)
         seed = int(ctx.shared_seed) & _U64
         values = kernels.subset_gather(v, kk, seed, self._indices(n, kk, seed, v.device, keep=True))
-        field = torch.tensor([signed64(seed)], dtype=torch.int64, device=v.device)
+        field = seed_field(seed, v.device)
         self._encoded_seed = (field, seed)   # (a trusted subtraction of this payload reads no seed)
         return {"values": values, "seed": field}
 
