@@ -218,7 +218,7 @@ def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **co
     if m:
         return Compressor(name=text, bits=float(m.group(1)), codec_source=source, **codec)
     from ..factory import build
-    from ..quantizers.base import SummableQuantizer
+    from ..quantizers.summable import SummableQuantizer
 
     try:
         q = build(text)

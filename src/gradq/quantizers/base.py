@@ -29,7 +29,7 @@ from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
 from ..random import RandomStream, resolve_seed
 from ..spec import Param, format_value
 
-__all__ = ["Quantizer", "SummableQuantizer", "SharedStat", "EncodeContext", "check_finite", "check_shared_scale"]
+__all__ = ["Quantizer", "SharedStat", "EncodeContext", "check_finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -57,16 +57,6 @@ class EncodeContext:
     #: ``shared`` is a reduction that includes ``own`` (the caller says so: ``own=``), so it is not
     #: checked against it (a host read on a GPU)
     trusted: bool = False
-
-
-def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> None:
-    """A shared scale must be at least every worker's own (it is their MAX); refuse a smaller one.
-    (Nothing to check, and no host read, when the "shared" scale is the worker's own.)"""
-    if shared is own:
-        return
-    if shared.numel() and bool((shared < own * (1 - 1e-6)).any()):
-        raise ValueError(f"{name}: the shared scale is below this worker's own norm; "
-                         "it must be the MAX over workers of shared_stats()['scale']")
 
 
 def check_finite(x: torch.Tensor, name: Optional[str] = None) -> None:
@@ -235,12 +225,6 @@ class Quantizer:
         ctx.shared = ({k: s.value for k, s in ctx.own.items()} if shared is None
                       else self._check_shared(shared, ctx.own))
         return ctx
-
-    def _check_scale(self, ctx: EncodeContext, scale: torch.Tensor, name: Optional[str] = None) -> None:
-        """Refuse a shared ``scale`` below this worker's own (``ctx.own["scale"]``), unless the caller
-        vouched for it (``ctx.trusted``): :func:`check_shared_scale`."""
-        if not ctx.trusted:
-            check_shared_scale(name or self.name, scale, ctx.own["scale"].value)
 
     def encode(self, x: torch.Tensor, *, seed: Optional[int] = None,
                generator: Optional[torch.Generator] = None,
@@ -446,112 +430,6 @@ class Quantizer:
         raise NotImplementedError
 
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class SummableQuantizer(Quantizer):
-    """A quantizer whose integer codes from different workers add up, once the
-    :meth:`shared_stats` are reduced across workers.
-
-    Protocol: every worker computes ``shared_stats``, the stats are reduced with their ``op``,
-    every worker calls ``encode_codes(x, shared=reduced)``, the integer codes are summed over the
-    ``M`` workers (``|sum| <= M * max_code``), and ``decode_codes(sum, shared=reduced, count=M)``
-    returns the average of the workers' decoded tensors.
-    """
-
-    summable: ClassVar[bool] = True
-
-    @property
-    def max_code(self) -> int:
-        """Largest absolute value of one worker's integer code."""
-        raise NotImplementedError
-
-    def encode_codes(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
-                     seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                     shared_seed: Optional[int] = None, name: Optional[str] = None,
-                     check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None) -> torch.Tensor:
-        """Integer codes (int32, one per transmitted coordinate) of ``x`` under the shared stats
-        (``check_finite`` as in :meth:`encode`). ``own``: this worker's :meth:`shared_stats` of
-        ``x``, which ``shared`` was reduced from (the all-reduce protocol passes them): not
-        computed again where the scheme can reuse them, and ``shared`` not checked against them."""
-        v = self._flatten(x, name, self._screens(x, check_finite))
-        if self.needs_shared_seed and shared_seed is None:
-            raise ValueError(f"{self.name}: encode_codes needs shared_seed= (common to all workers)")
-        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
-        return self._codes(v, ctx)
-
-    def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
-                     like: Optional[torch.Tensor] = None, numel: Optional[int] = None,
-                     shared_seed: Optional[int] = None) -> torch.Tensor:
-        """The average of ``count`` workers' decoded tensors, from the SUM of their codes.
-
-        ``like`` (a tensor of the original shape/dtype) or ``numel`` gives the output size."""
-        if count < 1:
-            raise ValueError("count must be >= 1")
-        if like is not None:
-            numel = like.numel()
-        if numel is None:
-            raise ValueError("pass like= or numel=")
-        v = self._decode_codes(codes.to(torch.float32), dict(shared), int(numel), shared_seed) / count
-        if like is not None:
-            return v.reshape(like.shape).to(like.dtype)
-        return v
-
-    def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
-                      seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                      shared_seed: Optional[int] = None, name: Optional[str] = None,
-                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None
-                      ) -> Optional[torch.Tensor]:
-        """The codes as one uint8 *field* ``c + max_code`` per coordinate, through a fused fast path;
-        ``None`` where the scheme or device has none (then use :meth:`encode_codes`); ``check_finite``
-        and ``own`` as in :meth:`encode_codes`.
-
-        Same randomness as :meth:`encode_codes`: ``fields − max_code`` equals its codes exactly. The
-        sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
-        ``2·M·max_code ≤ 255``, and :meth:`decode_field_sum` turns it into the average."""
-        v = self._flatten(x, name, self._screens(x, check_finite))
-        if self.max_code is None or self.max_code > 127 or not self._has_fields:   # (casts: no integer codes)
-            return None
-        if self.needs_shared_seed and shared_seed is None:
-            raise ValueError(f"{self.name}: encode_fields needs shared_seed= (common to all workers)")
-        ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
-        return self._fields(v, ctx)
-
-    @property
-    def _has_fields(self) -> bool:
-        """Whether this scheme has a fields path (:meth:`_fields` overridden)."""
-        return type(self)._fields is not SummableQuantizer._fields
-
-    def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,
-                         like: torch.Tensor, shared_seed: Optional[int] = None) -> torch.Tensor:
-        """The average of ``count`` workers' decodes from the SUM of their :meth:`encode_fields`
-        (uint8, or any wider integer dtype); shaped like ``like``. ``shared_seed``: the one the
-        fields were encoded with, for schemes that need one."""
-        if count < 1:
-            raise ValueError("count must be >= 1")
-        if self.needs_shared_seed and shared_seed is None:
-            raise ValueError(f"{self.name}: decode_field_sum needs the fields' shared_seed=")
-        n = like.numel()
-        out = None
-        if total.dtype == torch.uint8:
-            out = self._decode_field_sum(total, dict(shared), count, n, shared_seed)
-        if out is None:
-            codes = total.to(torch.int64) - count * self.max_code
-            out = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
-        return out.reshape(like.shape).to(like.dtype)
-
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        return None
-
-    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
-        return None
-
-    def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
-                      shared_seed: Optional[int]) -> torch.Tensor:
         raise NotImplementedError
 
 

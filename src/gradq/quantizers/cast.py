@@ -14,7 +14,8 @@ from typing import ClassVar, Mapping, Optional
 import torch
 
 from ..spec import register
-from .base import EncodeContext, SummableQuantizer
+from .base import EncodeContext
+from .summable import SummableQuantizer
 
 __all__ = ["Cast", "NoCompression", "FP16", "BF16"]
 

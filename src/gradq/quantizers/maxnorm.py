@@ -21,7 +21,8 @@ import torch
 
 from ..codecs.bitpack import packed_nbytes
 from ..spec import IntParam, register
-from .base import EncodeContext, SharedStat, SummableQuantizer, check_shared_scale
+from .base import EncodeContext, SharedStat
+from .summable import SummableQuantizer, check_shared_scale
 from .. import kernels
 from ._common import bucket_view, code_width, num_buckets
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items, resolve_levels, uniform_codes, uniform_decode

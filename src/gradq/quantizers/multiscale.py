@@ -46,7 +46,8 @@ from ..codecs.bitpack import packed_nbytes, unpack_bits
 from ..errors import SpecError
 from ..kernels.reference import multiscale_dequantize
 from ..spec import BoolParam, IntParam, IntTupleParam, register
-from .base import EncodeContext, SharedStat, SummableQuantizer
+from .base import EncodeContext, SharedStat
+from .summable import SummableQuantizer
 from ._common import code_width, levels_from_bits, num_buckets
 from .maxnorm import MaxNorm
 from .qsgd import BITS, LEVELS, NORM, levels_spec_items

@@ -34,7 +34,8 @@ import torch
 
 from ..codecs.bitpack import packed_nbytes, trit_nbytes
 from ..spec import ChoiceParam, FloatParam, IntParam, register
-from .base import EncodeContext, SharedStat, SummableQuantizer
+from .base import EncodeContext, SharedStat
+from .summable import SummableQuantizer
 from .. import kernels
 from ..kernels.reference import clip_by_std, dequantize_uniform as uniform_decode, population_std, uniform_codes
 from ._common import bucket_view, num_buckets
