@@ -33,6 +33,15 @@ def _key(name: Optional[str]) -> str:
     return "" if name is None else str(name)
 
 
+def _versions(*tensors: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The tensors' version counters (each in-place change moves one), or None where one has none
+    (an inference-mode tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class ErrorFeedbackState:
     """The state of error feedback: one residual per tensor name (float32, the tensor's shape).
@@ -104,6 +113,7 @@ class ErrorFeedback(Quantizer):
         #: whether held-state steps reuse the replaced residual's memory for ``x + e`` (class docstring)
         self.spares = spares
         self._spare: dict[str, torch.Tensor] = {}   # per name: CPU memory no held state refers to any more
+        self._made: dict[str, tuple] = {}   # per name: (spare, x, e, their versions) where the spare holds x + e
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -114,6 +124,7 @@ class ErrorFeedback(Quantizer):
     def residuals(self, value: Mapping[str, torch.Tensor]) -> None:
         self.state = ErrorFeedbackState(dict(value))
         self._spare.clear()
+        self._made.clear()
 
     @property
     def spare_bytes(self) -> int:
@@ -160,9 +171,14 @@ class ErrorFeedback(Quantizer):
         return self.state.residual(x, name)
 
     def _corrected(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
-                   screen: bool = True, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   screen: bool = True, into: Optional[torch.Tensor] = None, remember: bool = False) -> torch.Tensor:
         """``x + e[name]`` in float32: new memory, or ``into`` where that is a buffer of its shape
-        that shares memory with neither term (the same float32 sum, bit for bit)."""
+        that shares memory with neither term (the same float32 sum, bit for bit).
+
+        ``remember`` (:meth:`shared_stats`, whose ``u`` is scratch in the spare): note that ``into``
+        now holds ``x + e``, so that the step that follows on the same ``x`` and ``e`` (the
+        all-reduce's fields or codes) takes it as it is instead of adding again. Each tensor's
+        version counter must not have moved since (any in-place change moves it)."""
         self._flatten(x, name, screen)  # validate (finite, floating) before mixing with the residual
         xf, e = x.detach().to(torch.float32), state.residual(x, name)
         if (into is None or into.shape != e.shape or into.device != e.device or into.dtype != torch.float32
@@ -170,7 +186,15 @@ class ErrorFeedback(Quantizer):
                 or into.untyped_storage().data_ptr() in (xf.untyped_storage().data_ptr(),
                                                          e.untyped_storage().data_ptr())):
             return xf + e
-        return torch.add(xf, e, out=into)
+        made = self._made.pop(_key(name), None)
+        if made is not None and made[0] is into and made[1] is x and made[2] is e and made[3] == _versions(into, x, e):
+            return into
+        torch.add(xf, e, out=into)
+        if remember:
+            versions = _versions(into, x, e)
+            if versions is not None:
+                self._made[_key(name)] = (into, x, e, versions)
+        return into
 
     def _held(self, step: Any, x: torch.Tensor, name: Optional[str], **kwargs: Any) -> Any:
         """``step(x, self.state, into, name=name, **kwargs)`` → ``(result, next state)`` on the held
@@ -192,6 +216,7 @@ class ErrorFeedback(Quantizer):
         """Forget every residual."""
         self.state = ErrorFeedbackState()
         self._spare.clear()
+        self._made.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals (CPU copies) and the spec, for checkpoints."""
@@ -203,12 +228,14 @@ class ErrorFeedback(Quantizer):
             raise ValueError(f"error-feedback state was saved for {state.get('spec')!r}, not {self.spec!r}")
         self.state = ErrorFeedbackState.from_state_dict(state["residuals"])
         self._spare.clear()
+        self._made.clear()
 
     # -- quantizer interface -----------------------------------------------------------------------
     def shared_stats(self, x: torch.Tensor, *, shared_seed: Optional[int] = None,
                      name: Optional[str] = None, check_finite: bool = True) -> dict[str, SharedStat]:
         # (the inner screens u: encode_with; u is scratch here, in the spare that the step then fills)
-        u = self._corrected(x, name, self.state, screen=False, into=self._spare.get(_key(name)) if self.spares else None)
+        u = self._corrected(x, name, self.state, screen=False, into=self._spare.get(_key(name)) if self.spares else None,
+                            remember=True)
         return self.inner.shared_stats(u, shared_seed=shared_seed, name=name, check_finite=check_finite)
 
     def encode_with(self, x: torch.Tensor, state: ErrorFeedbackState, *, seed: Optional[int] = None,
