@@ -293,20 +293,6 @@ class RandK(_Sparse):
         """The payload's shared seed (a host read where the field is on a device)."""
         return int(fields["seed"].reshape(-1)[0].item()) & _U64
 
-    def _kept(self, fields: Mapping[str, torch.Tensor], numel: int, device: torch.device,
-              chosen: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(positions, values)`` of a payload on ``device``: the coordinates its seed selects (looked
-        up in ``chosen`` by seed and count, and kept there) and its values (times ``n/K`` with
-        rescale)."""
-        values = fields["values"].to(device=device, dtype=torch.float32)
-        kk = values.numel()
-        seed = self._seed(fields)
-        if (seed, kk) not in chosen:
-            chosen[(seed, kk)] = self.coordinates(numel, kk, seed, device)
-        if self.rescale and kk:
-            values = values * (numel / kk)
-        return chosen[(seed, kk)], values
-
     def _decode_into(self, fields: Mapping[str, torch.Tensor], numel: int, out: torch.Tensor) -> bool:
         """Zeros and the kept values straight into ``out``."""
         values = fields["values"].to(device=out.device, dtype=torch.float32)
@@ -325,14 +311,13 @@ class RandK(_Sparse):
         is ``+0.0 / M``). Otherwise :meth:`_Sparse._mean_at`, each distinct seed's coordinates
         selected once."""
         values = [f["values"].to(device=out.device, dtype=torch.float32) for f in fields]
-        keys = [(self._seed(f), v.numel()) for f, v in zip(fields, values)]
+        keys = [(self._seed(f), v.numel()) for f, v in zip(fields, values)]   # (one read a payload)
+        if self.rescale:
+            values = [v * (numel / kk) if kk else v for v, (_, kk) in zip(values, keys)]
         if len(set(keys)) > 1:
-            chosen: dict = {}
-            kept = [self._kept(f, numel, out.device, chosen) for f in fields]
-            return self._mean_at([k[0] for k in kept], [k[1] for k in kept], out)
+            chosen = {key: self.coordinates(numel, key[1], key[0], out.device) for key in dict.fromkeys(keys)}
+            return self._mean_at([chosen[key] for key in keys], values, out)
         seed, kk = keys[0]
-        if self.rescale and kk:
-            values = [v * (numel / kk) for v in values]
         acc = values[0].clone()
         for v in values[1:]:
             acc += v
