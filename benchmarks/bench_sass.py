@@ -161,11 +161,12 @@ def _cases() -> list[tuple]:
                       dict(x_ptr=PF, pos_ptr=PI64, lv_ptr=PF, n=I, bucket=I, nrows=I, L=C, P=C, LOG=C, ROWS=C),
                       dict(L=5, P=512, LOG=9, ROWS=r), 512 * r, w))
     kw, kb, ks = T.TUNING["randk_warps"], T.TUNING["randk_elems"], 1024
-    sel = dict(n=I, k1=I, k2=I, t=I)
+    sel = dict(n=I, k1=I, k2=I, t_ptr=PI64)
     cases += [
-        ("randk histogram level", K._randk_hist_kernel,
-         dict(hist_ptr=P32, state_ptr=PI64, n=I, k1=I, k2=I, shift="i32", width="i32", BLOCK=C, SUB=C),
-         dict(BLOCK=kb, SUB=ks), kb, kw),
+        *((f"randk histogram, {label} level", K._randk_hist_kernel,
+           dict(hist_ptr=P32, state_ptr=PI64, n=I, k1=I, k2=I, shift="i32", width="i32", BLOCK=C, SUB=C, BINS=C,
+                FIRST=C), dict(BLOCK=kb, SUB=ks, BINS=2048, FIRST=first), kb, kw)
+          for label, first in (("top", True), ("lower", False))),
         ("randk count", K._randk_count_kernel, dict(cnt_ptr=P32, **sel, BLOCK=C, SUB=C), dict(BLOCK=kb, SUB=ks), kb, kw),
         ("randk scale (max)", K._randk_norm_kernel, dict(x_ptr=PF, acc_ptr=P32, **sel, L2=C, BLOCK=C, SUB=C),
          dict(L2=False, BLOCK=kb, SUB=ks), kb, kw),
@@ -173,14 +174,14 @@ def _cases() -> list[tuple]:
          dict(x_ptr=PF, words_ptr=P32, incl_ptr=P32, scale_ptr=PF, **sel, s="i32", rk1=I, rk2=I, lo0=I, hi0=I, W=C,
               BLOCK=C, SUB=C), dict(W=4, BLOCK=kb, SUB=ks), kb, kw),
         ("randk maxnorm decode, 4-bit", K._randk_decode_kernel,
-         dict(codes_ptr=P8, out_ptr=PF, incl_ptr=P32, scale_ptr=PF, n=I, nbytes=I, k1=I, k2=I, t=I, s="i32",
+         dict(codes_ptr=P8, out_ptr=PF, incl_ptr=P32, scale_ptr=PF, n=I, nbytes=I, k1=I, k2=I, t_ptr=PI64, s="i32",
               factor=F, W=C, RESCALE=C, BLOCK=C, SUB=C), dict(W=4, RESCALE=False, BLOCK=kb, SUB=ks), kb, kw),
         ("randk multiscale encode, 2+6", K._randk_ms_encode_kernel,
          dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, codes_ptr=P32, index_ptr=P32, incl_ptr=P32, **sel, rk1=I, rk2=I,
               lo0=I, hi0=I, L=C, W=C, IW=C, BLOCK=C, SUB=C), dict(L=2, W=2, IW=1, BLOCK=kb, SUB=ks), kb, kw),
         ("randk multiscale decode, 2+6", K._randk_ms_decode_kernel,
          dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, incl_ptr=P32, n=I, nbytes=I, ibytes=I,
-              k1=I, k2=I, t=I, factor=F, L=C, W=C, IW=C, RESCALE=C, BLOCK=C, SUB=C),
+              k1=I, k2=I, t_ptr=PI64, factor=F, L=C, W=C, IW=C, RESCALE=C, BLOCK=C, SUB=C),
          dict(L=2, W=2, IW=1, RESCALE=False, BLOCK=kb, SUB=ks), kb, kw),
     ]
     return cases

@@ -141,28 +141,30 @@ SCRIPT = textwrap.dedent('''
          BLOCK=C), dict(BLOCK=1024), False),
     ] + [
         ("_randk_hist_kernel", dict(hist_ptr=P32, state_ptr=PI64, n=I, k1=I, k2=I, shift="i32", width="i32",
-         BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024), False),
+         BLOCK=C, SUB=C, BINS=C, FIRST=C), dict(BLOCK=8192, SUB=1024, BINS=2048, FIRST=first), False)
+        for first in (True, False)
+    ] + [
         ("_randk_pick_kernel", dict(hist_ptr=P32, state_ptr=PI64, width="i32", need0=I, BINS=C), dict(BINS=2048),
          False),
-        ("_randk_count_kernel", dict(cnt_ptr=P32, n=I, k1=I, k2=I, t=I, BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024),
+        ("_randk_count_kernel", dict(cnt_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024),
          False),
         ("_randk_scan_kernel", dict(cnt_ptr=P32, m=I, CH=C), dict(CH=1024), False),
     ] + [
-        ("_randk_norm_kernel", dict(x_ptr=PF, acc_ptr=PF64 if l2 else P32, n=I, k1=I, k2=I, t=I, L2=C, BLOCK=C,
+        ("_randk_norm_kernel", dict(x_ptr=PF, acc_ptr=PF64 if l2 else P32, n=I, k1=I, k2=I, t_ptr=PI64, L2=C, BLOCK=C,
          SUB=C), dict(L2=l2, BLOCK=8192, SUB=1024), False)
         for l2 in (False, True)
     ] + [
-        ("_randk_encode_kernel", dict(x_ptr=PF, words_ptr=P32, incl_ptr=P32, scale_ptr=PF, n=I, k1=I, k2=I, t=I,
+        ("_randk_encode_kernel", dict(x_ptr=PF, words_ptr=P32, incl_ptr=P32, scale_ptr=PF, n=I, k1=I, k2=I, t_ptr=PI64,
          s="i32", rk1=I, rk2=I, lo0=I, hi0=I, W=C, BLOCK=C, SUB=C), dict(W=w, BLOCK=8192, SUB=1024), True)
         for w in (4, 3)
     ] + [
         ("_randk_decode_kernel", dict(codes_ptr=P8, out_ptr=PF, incl_ptr=P32, scale_ptr=PF, n=I, nbytes=I, k1=I,
-         k2=I, t=I, s="i32", factor=F, W=C, RESCALE=C, BLOCK=C, SUB=C),
+         k2=I, t_ptr=PI64, s="i32", factor=F, W=C, RESCALE=C, BLOCK=C, SUB=C),
          dict(W=w, RESCALE=rescale, BLOCK=8192, SUB=1024), True)
         for w, rescale in ((4, False), (5, True))
     ] + [
         ("_randk_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, lv_ptr=PF, codes_ptr=P32, index_ptr=P32, incl_ptr=P32,
-         n=I, k1=I, k2=I, t=I, rk1=I, rk2=I, lo0=I, hi0=I, L=C, W=C, IW=C, BLOCK=C, SUB=C),
+         n=I, k1=I, k2=I, t_ptr=PI64, rk1=I, rk2=I, lo0=I, hi0=I, L=C, W=C, IW=C, BLOCK=C, SUB=C),
          dict(L=L, W=2, IW=iw, BLOCK=8192, SUB=1024), True)
         for L, iw in ((2, 1), (3, 2))
     ] + [
@@ -170,14 +172,14 @@ SCRIPT = textwrap.dedent('''
          dict(L=3, IW=2, BLOCK=1024), False),
     ] + [
         ("_randk_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, incl_ptr=P32,
-         n=I, nbytes=I, ibytes=I, k1=I, k2=I, t=I, factor=F, L=C, W=C, IW=C, RESCALE=C, BLOCK=C, SUB=C),
+         n=I, nbytes=I, ibytes=I, k1=I, k2=I, t_ptr=PI64, factor=F, L=C, W=C, IW=C, RESCALE=C, BLOCK=C, SUB=C),
          dict(L=L, W=2, IW=iw, RESCALE=rescale, BLOCK=8192, SUB=1024), False)
         for L, iw, rescale in ((2, 1, False), (3, 2, True))
     ] + [
-        ("_randk_gather_kernel", dict(x_ptr=PF, vals_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t=I, BLOCK=C, SUB=C),
+        ("_randk_gather_kernel", dict(x_ptr=PF, vals_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, BLOCK=C, SUB=C),
          dict(BLOCK=8192, SUB=1024), False),
     ] + [
-        ("_randk_scatter_kernel", dict(vals_ptr=PF, out_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t=I, factor=F,
+        ("_randk_scatter_kernel", dict(vals_ptr=PF, out_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, factor=F,
          RESCALE=C, SUBTRACT=C, BLOCK=C, SUB=C), dict(RESCALE=rescale, SUBTRACT=sub, BLOCK=8192, SUB=1024), False)
         for rescale, sub in ((False, False), (True, True))
     ] + [

@@ -925,15 +925,18 @@ def test_gpu_non_finite_input_is_found_after_the_encode(spec):
                                   "terngrad", "terngrad:pack=2bit,bucket=4096", "multiscale:bits=2+6",
                                   "signsgd", "onebit:ef=0", "bingrad-b", "linear:levels=5", "ef(qsgd:bits=2)",
                                   "topk:ratio=0.01", "ef(topk:ratio=0.01)", "randk:ratio=0.01",
-                                  "randk-maxnorm:ratio=0.01,bits=4"])
+                                  "randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"])
 def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
     """``encode(check_finite=False)``, as the DDP hook calls it, asks nothing of the device on the
     host: under torch's synchronization debug mode "error" any call that waits for the GPU (a host
-    read, a blocking copy) raises. The checked encode reads its NaN/Inf witness (one wait). (The
-    Rand-K family's selection of a new shared seed reads once; the checked encode made this one.)"""
+    read, a blocking copy) raises. The checked encode reads its NaN/Inf witness (one wait). The
+    Rand-K family's selection is made again inside the call, as a new shared seed makes it."""
+    from gradq.kernels import triton_randk
+
     x = torch.randn(1 << 20, device="cuda")
     want = gradq.build(spec).encode(x, seed=1)   # (compiles the kernels; the checked encode's bytes)
     q = gradq.build(spec)                         # (a fresh one: error feedback's state moves on)
+    triton_randk._LAST = None                     # (no selection kept)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

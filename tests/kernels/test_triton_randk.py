@@ -3,8 +3,8 @@ and triton_randk_values).
 
 Under Triton's interpreter (CPU tensors): the primitives give the bytes and floats of the
 composition they replace (the reference's indices, a gather, MaxNorm's primitives on the ``k``
-values, a scatter), without asking for the indices; where the histogram cannot decide they ask for
-them and give the same; an encode allocates nothing ``k``- or ``n``-sized besides its payload. On a
+values, a scatter), without asking for the indices; where they do not choose the subset (nothing to
+choose, the torch path) they ask for them and give the same; an encode allocates nothing ``k``- or ``n``-sized besides its payload. On a
 GPU: the same bytes for 25M values, and the issue's peak of 1.25× the payload.
 """
 
@@ -58,13 +58,13 @@ def gradient_like(n: int, seed: int) -> torch.Tensor:
 @interpreted
 @pytest.mark.parametrize("n,k,seed,elems,widths", [
     (4_097, 2, 7, 1024, WIDTHS), (70_001, 1, 0, 8192, WIDTHS[2:3]), (60_003, 700, -3, 2048, WIDTHS[1::2]),
-    (100_003, 4_500, 2**63 - 1, 8192, WIDTHS[2:3])])
+    (100_003, 4_500, 2**63 - 1, 8192, WIDTHS[2:3]), (10_000, 2_000, 1, 1024, WIDTHS[2:3])])
 def test_implicit_subset_gives_the_composition(n, k, seed, elems, widths, fresh, monkeypatch):
     """Norms (max and L2), codes (every width on a small case; fields across words: 3 and 5 bits)
     and decodes (with and without rescaling, into ``out=``) equal the composition's, and the
     indices are never asked for: a partial last program (4,097 values), one selected value, many
-    programs of several loop steps, and ``k`` near the largest the candidates' threshold takes
-    (about n/16)."""
+    programs of several loop steps, and ``k`` of a fifth of ``n`` (five histogram levels of six
+    bits and one of two pick ``t``)."""
     monkeypatch.setitem(T.TUNING, "randk_elems", elems)
     x = data(n, 11) if n < 5000 else gradient_like(n, 11)   # (huge values zero most codes: on one case)
     idx = R.random_subset(n, k, seed)
@@ -98,7 +98,8 @@ def _subtracted(u: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, factor) 
 
 @interpreted
 @pytest.mark.parametrize("n,k,seed,elems", [(4_097, 2, 7, 1024), (70_001, 1, 0, 8192), (60_003, 700, -3, 2048),
-                                            (100_003, 4_500, 2**63 - 1, 8192)])
+                                            (100_003, 4_500, 2**63 - 1, 8192), (100_003, 40_000, 3, 4096),
+                                            (3_001, 3_000, 5, 1024)])
 def test_rand_k_values_on_the_implicit_subset(n, k, seed, elems, fresh, monkeypatch):
     """Rand-K's gather, its scatter (with and without rescaling, into ``out=`` and new) and its
     subtraction (error feedback's ``u − decode``, on data with ±0.0, NaN and ±inf where it is
@@ -168,13 +169,11 @@ def test_multiscale_on_the_implicit_subset(bits, fresh, monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("case", ["too few", "large k", "k = 0", "k = n", "torch path", "one draw twice"])
-def test_where_the_histogram_cannot_decide_the_indices_do(case, fresh, monkeypatch):
-    """Fewer than ``k`` draws below the histogram's range, ``k`` past about n/16, nothing to choose,
-    ``subset_path`` 2, or a last bin that does not hold exactly one draw (which distinct draws rule
-    out; forced here): the primitives ask for the indices and give the composition's results."""
-    n, k, seed = {"large k": (10_000, 2_000, 1), "k = 0": (5_000, 0, 1), "k = n": (500, 500, 1)}.get(
-        case, (50_001, 400, 13))
+@pytest.mark.parametrize("case", ["k = 0", "k = n", "torch path"])
+def test_outside_the_implicit_subset_the_indices_give_the_same(case, fresh, monkeypatch):
+    """Nothing to choose (``k`` 0 or ``n``) or ``subset_path`` 2: the primitives ask for the indices
+    and give the composition's results."""
+    n, k, seed = {"k = 0": (5_000, 0, 1), "k = n": (500, 500, 1)}.get(case, (50_001, 400, 13))
     x = data(n, 3)
     idx = R.random_subset(n, k, seed)
     asked = []
@@ -183,18 +182,8 @@ def test_where_the_histogram_cannot_decide_the_indices_do(case, fresh, monkeypat
         asked.append(1)
         return idx
 
-    if case == "too few":
-        monkeypatch.setattr(K, "_candidate_limit", lambda n_, k_: (k_ // 4) * (1 << 32) // n_)
-    elif case == "torch path":
+    if case == "torch path":
         monkeypatch.setitem(T.TUNING, "subset_path", 2)
-    elif case == "one draw twice":
-        real = K._launch
-
-        def twice(kernel, grid, *args, **meta):
-            real(kernel, grid, *args, **meta)
-            if kernel is K._randk_pick_kernel:
-                args[1][3] += 1   # the picked bin's count
-        monkeypatch.setattr(K, "_launch", twice)
     scale = R.maxabs_scales(x[idx], None)
     assert same(kernels.subset_norm(x, k, seed, "max", indices), scale) and asked
     asked.clear()
@@ -384,16 +373,22 @@ class _FromHost(torch.utils._python_dispatch.TorchDispatchMode):
 @interpreted
 @pytest.mark.parametrize("spec", ["randk:ratio=0.01", "randk-maxnorm:ratio=0.01,bits=4",
                                   "randk-multiscale:ratio=0.01,bits=2+6", "ef(randk:ratio=0.01,rescale=1)"])
-def test_unchecked_randk_encodes_wait_for_nothing(spec, fresh):
-    """The DDP hook's encode of the Rand-K family on the Triton backend (``check_finite=False``, the
-    selection of this step's shared seed made): no host read and no tensor made from host data (the
-    seed field is filled on the device), and the checked encode's bytes."""
+def test_unchecked_randk_encodes_wait_for_nothing(spec, fresh, monkeypatch):
+    """The DDP hook's encode of the Rand-K family on the Triton backend (``check_finite=False``) with
+    a new shared seed, as every step has, so that the call makes the selection: no host read and no
+    tensor made from host data (``t`` stays on the device, the seed field is filled there), and
+    the checked encode's bytes."""
     x = gradient_like(50_001, 3)
-    want = gradq.build(spec).encode(x, seed=1, shared_seed=21)   # (also makes the selection)
+    want = gradq.build(spec).encode(x, seed=1, shared_seed=21)
     q = gradq.build(spec)
+    monkeypatch.setattr(K, "_LAST", None)   # (the selection is made inside the call)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
     with _FromHost() as mode:
         got = q.encode(x, seed=1, shared_seed=21, check_finite=False)
-    assert mode.names == []
+    assert mode.names == [] and reads == []
+    assert K._LAST is not None and K._LAST[1] is not None   # (made in the call, on the device)
     assert got.same_bytes(want), first_difference(got, want)
 
 

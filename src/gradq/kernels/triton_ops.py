@@ -48,8 +48,9 @@ How the kernels reproduce the reference:
 
 Host reads. Fixed-width encodes and decodes never read device memory on the host. Two exceptions:
 the checks that refuse corrupt codes (TernGrad's 2-bit fields and trits, level indices) read one
-count per call, and RandK's subset reads its count of candidates (or the RandK variants their
-``K``-th draw) once per new shared seed.
+count per call, and RandK's explicit subset (:mod:`.triton_subset`, where the indices are asked
+for) reads its count of candidates. The implicit subset of the Rand-K family
+(:mod:`.triton_randk`) keeps its ``K``-th draw on the device and reads nothing.
 """
 
 from __future__ import annotations

@@ -11,13 +11,15 @@ subset stays implicit:
   the reference's signed draw) and then its index. No two counters below 2³² share a draw (a
   counter's hash is a composition of bijections of 32-bit words), so the index never breaks a
   tie, and the subset is the coordinates with ``u_i ≤ t`` for the ``k``-th smallest draw ``t``.
-  The draws below ``2^L`` (``L`` from the candidates' threshold of
-  :func:`gradq.kernels.subset._candidate_limit`, about ten standard deviations past the ``k``-th
-  draw) are counted in a histogram of ``2^BITS`` bins of their top bits, the bin holding the
-  ``k``-th is kept, and the next bits of the draws in that bin are counted the same way, until the
-  last bin is one draw value. Each level is a pass that hashes the counters in registers (no
-  memory read) and a one-program pass that picks the bin on the device; the host reads the result
-  once per new shared seed (and hands over to the caller unless the last bin holds one draw).
+  A radix select finds ``t`` on the device, ``BITS`` bits at a time from the top: each level is
+  a pass that hashes the counters in registers (no memory read) and counts the draws with the
+  bits picked so far in a histogram of their next bits, and a one-program pass that picks the bin
+  holding the ``k``-th (shared with Top-K). The top level, where every draw counts, makes each
+  program's histogram in registers (``tl.histogram``) and adds it bin by bin; below it about one
+  draw in ``2^BITS`` matches, and each of those adds itself. The levels cover all 32 bits and count every draw, so the pick never runs
+  short, and the last bin is one draw value. ``t`` stays in the selection's state on the device:
+  the kernels that follow read it there, and the host reads nothing, so a new shared seed each
+  step (the DDP hook's) never makes the host wait for the device.
 * **Positions.** A pass counts the selected coordinates of each block of counters, and a
   one-program scan turns the counts into running sums in place: a selected coordinate's position
   in the sub-vector is its block's start plus the selected before it in the block.
@@ -33,10 +35,9 @@ it writes ``out``.
 
 Memory: the histogram (``4·2^BITS`` bytes), one int32 a program of counters and a few scalars,
 besides the payload. Bytes and floats equal the reference's composition (indices, gather, the
-scheme's primitives, scatter). Where the histogram cannot decide (fewer than ``k`` draws below
-``2^L``, about e⁻⁵⁰), for ``k`` past about ``n/16``, for ``n ≥ 2³¹``, and with
-``TUNING["subset_path"]`` or ``TUNING["randk_path"]`` 2 (to time the two), the functions return
-None and the caller takes that composition.
+scheme's primitives, scatter). Where there is nothing to choose (``k`` 0 or ``n``), for
+``n ≥ 2³¹``, and with ``TUNING["subset_path"]`` or ``TUNING["randk_path"]`` 2 (to time the two),
+the functions return None and the caller takes that composition.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import torch
 from ..random import RandomStream
 from ._args import RngLike, _stream
 from .checks import refuse_invalid
-from .subset import _candidate_limit
 from .triton_common import TUNING, _flat, _grid, _jit, _launch, _out, _payload, _uniform_at, _vector, tl
 from .triton_multiscale import _ms_code, _ms_levels, _ms_quotients, _ms_value
 from .triton_ops import _field_r, _recip_s
@@ -57,19 +57,30 @@ from .triton_subset import _draw
 
 _SCAN = 1024      # block counts a step of the one-program scan
 _SUB = 1024       # counters a step of the other programs' loops
+_DRAW_BITS = 32   # bits of a draw u_i
 
 
 @_jit
-def _randk_hist_kernel(hist_ptr, state_ptr, n, k1, k2, shift, width, BLOCK: tl.constexpr, SUB: tl.constexpr):
-    """Count the draws whose bits above ``shift + width`` equal the state's prefix, in bins of
-    their next ``width`` bits."""
+def _randk_hist_kernel(hist_ptr, state_ptr, n, k1, k2, shift, width, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                       BINS: tl.constexpr, FIRST: tl.constexpr):
+    """Count this program's draws whose bits above ``shift + width`` equal the state's prefix, in
+    bins of their next ``width`` bits. FIRST (the top level, where every draw counts): a histogram
+    in registers, added to the global one bin by bin (one atomic add a bin a program); below it,
+    where about one draw in ``BINS`` matches, an atomic add a matching draw."""
     prefix = tl.load(state_ptr)
+    if FIRST:
+        acc = tl.zeros((BINS,), tl.int32)
     for c in range(BLOCK // SUB):
         o = tl.program_id(0) * BLOCK + c * SUB + tl.arange(0, SUB)
         u = _draw(o, k1, k2).to(tl.int64)
         keep = (o < n) & ((u >> (shift + width)) == prefix)
         b = ((u >> shift) & ((1 << width) - 1)).to(tl.int32)
-        tl.atomic_add(hist_ptr + b, keep.to(tl.int32), mask=keep)
+        if FIRST:
+            acc += tl.histogram(b, BINS, mask=keep)
+        else:
+            tl.atomic_add(hist_ptr + b, keep.to(tl.int32), mask=keep)
+    if FIRST:
+        tl.atomic_add(hist_ptr + tl.arange(0, BINS), acc, mask=acc > 0)
 
 
 @_jit
@@ -97,18 +108,19 @@ def _randk_pick_kernel(hist_ptr, state_ptr, width, need0, BINS: tl.constexpr):
 
 
 @_jit
-def _selected(n, k1, k2, t, c, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _selected(n, k1, k2, t_ptr, c, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Chunk ``c`` (SUB counters) of this program's BLOCK counters, and which of them the subset
-    holds (the draws up to the ``k``-th's)."""
+    holds: the draws up to the ``k``-th smallest, read from the selection's state on the device
+    (``t_ptr``: its first entry), so that no host reads it."""
     o = tl.program_id(0) * BLOCK + c * SUB + tl.arange(0, SUB)
-    return o, (o < n) & (_draw(o, k1, k2).to(tl.int64) <= t)
+    return o, (o < n) & (_draw(o, k1, k2).to(tl.int64) <= tl.load(t_ptr))
 
 
 @_jit
-def _randk_count_kernel(cnt_ptr, n, k1, k2, t, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _randk_count_kernel(cnt_ptr, n, k1, k2, t_ptr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     total = tl.zeros((), tl.int32)
     for c in range(BLOCK // SUB):
-        _, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        _, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         total += tl.sum(sel.to(tl.int32), axis=0)
     tl.store(cnt_ptr + tl.program_id(0), total)
 
@@ -127,7 +139,7 @@ def _randk_scan_kernel(cnt_ptr, m, CH: tl.constexpr):
 
 
 @_jit
-def _randk_norm_kernel(x_ptr, acc_ptr, n, k1, k2, t, L2: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _randk_norm_kernel(x_ptr, acc_ptr, n, k1, k2, t_ptr, L2: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Of the selected values: the sum of float64 squares (L2), or the largest ``|x|`` bit pattern
     capped at inf's (a NaN reads as inf, as :func:`gradq.kernels.reference.maxabs_scales` has it)."""
     if L2:
@@ -135,7 +147,7 @@ def _randk_norm_kernel(x_ptr, acc_ptr, n, k1, k2, t, L2: tl.constexpr, BLOCK: tl
     else:
         acc = tl.zeros((), tl.int32)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         if L2:
             w = v.to(tl.float64)
@@ -187,7 +199,7 @@ def _start(incl_ptr):
 
 
 @_jit
-def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t, s, rk1, rk2, lo0, hi0,
+def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t_ptr, s, rk1, rk2, lo0, hi0,
                          W: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """MaxNorm's field ``s ± min(floor(|v|·r + u), s)`` of each selected value at its position ``j``
     (``u`` the sub-vector's counter ``j``), OR-ed into bits ``j·W …`` of the zeroed words."""
@@ -195,7 +207,7 @@ def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t, s,
     lo, hi = lo0.to(tl.uint32), hi0.to(tl.uint32)
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         f = _field_r(v, r, s, 0.0, _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False), False).to(tl.uint32)
@@ -203,14 +215,14 @@ def _randk_encode_kernel(x_ptr, words_ptr, incl_ptr, scale_ptr, n, k1, k2, t, s,
 
 
 @_jit
-def _randk_decode_kernel(codes_ptr, out_ptr, incl_ptr, scale_ptr, n, nbytes, k1, k2, t, s, factor,
+def _randk_decode_kernel(codes_ptr, out_ptr, incl_ptr, scale_ptr, n, nbytes, k1, k2, t_ptr, s, factor,
                          W: tl.constexpr, RESCALE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Every coordinate of ``out``: ``(f − s)·(scale/s)`` (times ``factor`` with RESCALE) for the
     selected, from the field at their position, zero for the others."""
     m = tl.math.div_rn(tl.load(scale_ptr), s.to(tl.float32))
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         f = _field_at(codes_ptr, j, sel, nbytes, W)
         val = (f - s).to(tl.float32) * m
@@ -220,7 +232,7 @@ def _randk_decode_kernel(codes_ptr, out_ptr, incl_ptr, scale_ptr, n, nbytes, k1,
 
 
 @_jit
-def _randk_ms_encode_kernel(x_ptr, w_ptr, lv_ptr, codes_ptr, index_ptr, incl_ptr, n, k1, k2, t, rk1, rk2, lo0,
+def _randk_ms_encode_kernel(x_ptr, w_ptr, lv_ptr, codes_ptr, index_ptr, incl_ptr, n, k1, k2, t_ptr, rk1, rk2, lo0,
                             hi0, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, BLOCK: tl.constexpr,
                             SUB: tl.constexpr):
     """MultiScale's fields of each selected value under its own scale index (:func:`_ms_code`) at
@@ -230,7 +242,7 @@ def _randk_ms_encode_kernel(x_ptr, w_ptr, lv_ptr, codes_ptr, index_ptr, incl_ptr
     lo, hi = lo0.to(tl.uint32), hi0.to(tl.uint32)
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         v = tl.load(x_ptr + o, mask=sel, other=0.0)
         u = _uniform_at(lo, hi, tl.where(sel, j, 0), rk1, rk2, False)
@@ -251,7 +263,7 @@ def _randk_ms_check_kernel(index_ptr, bad_ptr, k, ibytes, L: tl.constexpr, IW: t
 
 
 @_jit
-def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_ptr, n, nbytes, ibytes, k1, k2, t,
+def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_ptr, n, nbytes, ibytes, k1, k2, t_ptr,
                             factor, L: tl.constexpr, W: tl.constexpr, IW: tl.constexpr, RESCALE: tl.constexpr,
                             BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Every coordinate of ``out``: MultiScale's value of the selected (:func:`_ms_value`, times
@@ -259,7 +271,7 @@ def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_pt
     w = tl.load(w_ptr)
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         f = _field_at(codes_ptr, j, sel, nbytes, W)
         if IW > 0:
@@ -274,16 +286,18 @@ def _randk_ms_decode_kernel(codes_ptr, index_ptr, w_ptr, q_ptr, out_ptr, incl_pt
 
 # -- the selection -----------------------------------------------------------------------------------
 class Selection:
-    """The subset of one ``(n, k, seed)``: the seed's hash keys, the ``k``-th smallest draw ``t``,
-    and the running sums of the selected counters per program of ``block`` counters."""
+    """The subset of one ``(n, k, seed)``: the seed's hash keys, the device state whose first entry
+    is the ``k``-th smallest draw ``t`` (int64; never read on the host), and the running sums of
+    the selected counters per program of ``block`` counters."""
 
-    __slots__ = ("n", "k", "k1", "k2", "t", "incl", "block")
+    __slots__ = ("n", "k", "k1", "k2", "state", "incl", "block")
 
-    def __init__(self, n: int, k: int, k1: int, k2: int, t: int, incl: torch.Tensor, block: int) -> None:
-        self.n, self.k, self.k1, self.k2, self.t, self.incl, self.block = n, k, k1, k2, t, incl, block
+    def __init__(self, n: int, k: int, k1: int, k2: int, state: torch.Tensor, incl: torch.Tensor,
+                 block: int) -> None:
+        self.n, self.k, self.k1, self.k2, self.state, self.incl, self.block = n, k, k1, k2, state, incl, block
 
     def args(self) -> tuple:
-        return (self.n, self.k1, self.k2, self.t)
+        return (self.n, self.k1, self.k2, self.state)
 
 
 _LAST: Optional[tuple] = None   # (key, Selection or None): one entry, replaced whole
@@ -303,14 +317,16 @@ def _levels(bits: int, width: int) -> list[int]:
 
 
 def _bin_bits(k: int) -> int:
-    """Bits a histogram level: enough bins that the ``k``-th draw's bin holds few draws, few enough
-    that the histogram stays small beside a payload of ``k`` fields (2,048 bins from ``k`` ≈ 2¹⁸)."""
+    """Bits a histogram level: the more, the fewer levels (two launches each) cover a draw's 32
+    bits; few enough that the histogram stays small beside a payload of ``k`` fields (2,048 bins,
+    three levels, from ``k`` ≈ 2¹⁸; 64 bins, six levels, below ``k`` ≈ 2¹³)."""
     return max(6, min(11, k.bit_length() - 7))
 
 
 def selection(n: int, k: int, seed: int, device: torch.device) -> Optional[Selection]:
     """The implicit subset of ``(n, k, seed)`` on ``device``, or None where the caller must take
-    the indices (module docstring). One host read per new ``(n, k, seed)``."""
+    the indices (module docstring). The host reads nothing; a new ``(n, k, seed)`` queues the
+    selection's passes, the same one again reuses them (one entry is kept)."""
     global _LAST
     block = TUNING["randk_elems"]
     key = (n, k, int(seed), torch.device(device), block, TUNING["subset_path"], TUNING["randk_path"])
@@ -323,34 +339,30 @@ def selection(n: int, k: int, seed: int, device: torch.device) -> Optional[Selec
 
 
 def _select(n: int, k: int, seed: int, device: torch.device, block: int) -> Optional[Selection]:
-    use = 0 < k < n < (1 << 31) and TUNING["subset_path"] == 1 and TUNING["randk_path"] == 1
-    limit = _candidate_limit(n, k) if use else None
-    if limit is None:
+    if not (0 < k < n < (1 << 31) and TUNING["subset_path"] == 1 and TUNING["randk_path"] == 1):
         return None
     st = RandomStream(seed)
     k1, k2 = st.k1, st.k2
-    bits = max(1, (limit - 1).bit_length())
     width = _bin_bits(k)
     hist = torch.zeros(1 << width, dtype=torch.int32, device=device)
-    state = torch.zeros(4, dtype=torch.int64, device=device)
+    state = torch.zeros(4, dtype=torch.int64, device=device)   # (prefix, need, short, count: the pick's)
     grid = _grid(n, block)
     warps = TUNING["randk_warps"]
-    shift = bits
-    for w in _levels(bits, width):
+    shift = _DRAW_BITS
+    for w in _levels(_DRAW_BITS, width):
         shift -= w
         _launch(_randk_hist_kernel, grid, hist, state, n, k1, k2, shift, w, BLOCK=block, SUB=_sub(block),
-                num_warps=warps)
-        _launch(_randk_pick_kernel, (1,), hist, state, w, k if shift + w == bits else 0, BINS=1 << width,
+                BINS=1 << width, FIRST=shift + w == _DRAW_BITS, num_warps=warps)
+        _launch(_randk_pick_kernel, (1,), hist, state, w, k if shift + w == _DRAW_BITS else 0, BINS=1 << width,
                 num_warps=4)
     del hist
-    t, need, short, eq = state.tolist()   # (the host read)
-    if short or need != 1 or eq != 1:   # (the last only if draws could repeat: see the module docstring)
-        return None
+    # the prefix is now the k-th smallest draw: the levels counted every draw (k < n of them, so the
+    # pick never runs short) and no two draws are equal (so the last bin holds exactly that one)
     m = grid[0]
     incl = torch.empty(m, dtype=torch.int32, device=device)
-    _launch(_randk_count_kernel, grid, incl, n, k1, k2, t, BLOCK=block, SUB=_sub(block), num_warps=warps)
+    _launch(_randk_count_kernel, grid, incl, n, k1, k2, state, BLOCK=block, SUB=_sub(block), num_warps=warps)
     _launch(_randk_scan_kernel, (1,), incl, m, CH=_SCAN, num_warps=4)
-    return Selection(n, k, k1, k2, t, incl, block)
+    return Selection(n, k, k1, k2, state, incl, block)
 
 
 def _scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -407,7 +419,7 @@ def subset_uniform_decode(packed: torch.Tensor, scale: torch.Tensor, s: int, wid
         return None
     res = _out(out, n, torch.float32, data.device)
     _launch(_randk_decode_kernel, _grid(n, sel.block), data, res, sel.incl, _scale(scale, data.device), n,
-            data.numel(), sel.k1, sel.k2, sel.t, s, _factor(n, k, rescale),
+            data.numel(), sel.k1, sel.k2, sel.state, s, _factor(n, k, rescale),
             W=width, RESCALE=bool(rescale), BLOCK=sel.block, SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
     return res
 
@@ -457,7 +469,7 @@ def subset_multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor],
                        f"scale indices above {L - 1}")
     res = _out(out, n, torch.float32, cv.device)
     _launch(_randk_ms_decode_kernel, _grid(n, sel.block), cv, iv, _scale(scale, cv.device), q, res, sel.incl, n,
-            cv.numel(), ibytes, sel.k1, sel.k2, sel.t, _factor(n, k, rescale), L=L, W=width, IW=index_width,
+            cv.numel(), ibytes, sel.k1, sel.k2, sel.state, _factor(n, k, rescale), L=L, W=width, IW=index_width,
             RESCALE=bool(rescale), BLOCK=sel.block, SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
     return res
 

@@ -15,7 +15,7 @@ its position in the sub-vector.
   values[j]`` (rescaled first) at the selected and nothing elsewhere (``u − 0.0`` is ``u``), which
   is error feedback's ``u − decode`` bit for bit.
 
-Both return None where the selection does not decide (:func:`gradq.kernels.triton_randk.selection`),
+Both return None where the implicit subset does not apply (:func:`gradq.kernels.triton_randk.selection`),
 and the caller then takes the indices.
 """
 
@@ -30,23 +30,23 @@ from .triton_randk import _factor, _places, _selected, _start, _sub, selection
 
 
 @_jit
-def _randk_gather_kernel(x_ptr, vals_ptr, incl_ptr, n, k1, k2, t, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _randk_gather_kernel(x_ptr, vals_ptr, incl_ptr, n, k1, k2, t_ptr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """``vals[j] = x[o]`` for each selected counter ``o`` at its position ``j``."""
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         tl.store(vals_ptr + j, tl.load(x_ptr + o, mask=sel, other=0.0), mask=sel)
 
 
 @_jit
-def _randk_scatter_kernel(vals_ptr, out_ptr, incl_ptr, n, k1, k2, t, factor, RESCALE: tl.constexpr,
+def _randk_scatter_kernel(vals_ptr, out_ptr, incl_ptr, n, k1, k2, t_ptr, factor, RESCALE: tl.constexpr,
                           SUBTRACT: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Each selected counter's value ``vals[j]`` (times ``factor`` with RESCALE) into ``out[o]``, the
     others zero; with SUBTRACT, ``out[o] − value`` at the selected and the others untouched."""
     before = _start(incl_ptr)
     for c in range(BLOCK // SUB):
-        o, sel = _selected(n, k1, k2, t, c, BLOCK, SUB)
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         val = tl.load(vals_ptr + j, mask=sel, other=0.0)
         if RESCALE:
