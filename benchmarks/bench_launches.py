@@ -25,7 +25,15 @@ CUDA tensors:
   decode. On a GPU this is what ``torch.cuda.max_memory_allocated`` grows by during the call, up to
   the allocator's rounding, since Triton kernels allocate nothing: the issue's ≤ 1.25 × payload.
 
-    python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...] [--deferred]
+* with ``--host``: the host's own time per call, in µs (median of 300 calls after 20), with every
+  Triton launch stubbed out: the package's Python, allocations and torch operators, without
+  Triton's launcher (about 25 µs a launch on the H100 host, docs/performance.md) or any device
+  work. The encode is the DDP hook's (``check_finite=False``) and the decode runs with its checks
+  deferred; the stubbed kernels write nothing, so only timings come from these calls, and only
+  where the host decides nothing from what a kernel wrote (the Rand-K family's selection keeps
+  the last one: the rows time calls that reuse it).
+
+    python benchmarks/bench_launches.py [--n 100000] [--spec SPEC ...] [--deferred] [--host]
 
 The counts do not depend on ``n`` beyond a few logarithmic terms (tree merges); they are a proxy
 for the host-side cost per call, to be set against times measured on a GPU.
@@ -58,6 +66,7 @@ from gradq.kernels import triton_ops as T  # noqa: E402
 from gradq.kernels import triton_crc as X  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 from gradq.kernels import triton_randk as RK  # noqa: E402
+from gradq.kernels import triton_randk_values as RV  # noqa: E402
 from gradq.kernels import triton_topk as TK  # noqa: E402
 
 #: operators that launch nothing on a GPU: views, metadata, allocation
@@ -170,7 +179,7 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, B, D, L, MO, M, S, X, RK, TK)
+    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK)
     reads = [0]
     tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, K.sum_is_finite
 
@@ -198,6 +207,29 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
             c.ops)
 
 
+def host_us(fn, repeats: int = 300) -> float:
+    """Median wall time of ``fn()`` in µs with every Triton launch a no-op (20 calls first)."""
+    import statistics
+    import time
+
+    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK)
+    real = C._launch
+    for m in mods:
+        m._launch = lambda *a, **kw: None
+    try:
+        for _ in range(20):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for m in mods:
+            m._launch = real
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     from bench_codecs import MEMORY_SPECS
 
@@ -207,14 +239,17 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="also list the torch operators of each call")
     ap.add_argument("--deferred", action="store_true",
                     help="decode with the checks deferred (gradq.kernels.deferred_checks), as the DDP hook does")
+    ap.add_argument("--host", action="store_true",
+                    help="add the host's own µs per call, launches stubbed (the hook's unchecked encode and "
+                         "deferred decode)")
     args = ap.parse_args()
     x = torch.randn(args.n, generator=torch.Generator().manual_seed(0))
     dst = torch.empty_like(x)
     assert K.backend_for(x) == "triton", "GRADQ_KERNELS=triton is needed (set before gradq is imported)"
     print(f"n = {args.n:,}; Triton kernels under the interpreter, torch {torch.__version__}\n")
     print("| spec | encode: triton | torch | host reads | from host | peak ÷ payload | decode(out=): triton | torch "
-          "| host reads | from host | peak ÷ input |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| host reads | from host | peak ÷ input |" + (" host µs: encode | decode |" if args.host else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.host else ""))
     for spec in args.spec or [s for s in MEMORY_SPECS if "coding=" not in s]:
         q = gradq.build(spec)
         p = q.encode(x, seed=1)
@@ -227,6 +262,11 @@ def main() -> None:
                 return q.decode(p, out=dst)
         d = counts(decode, inputs=(dst, *p.fields.values()))
         cells = [*map(str, e[:4]), f"{e[4] / p.nbytes:.2f}", *map(str, d[:4]), f"{d[4] / x.nbytes:.2f}"]
+        if args.host:
+            def deferred():
+                with K.deferred_checks():
+                    q.decode(p, out=dst)
+            cells += [f"{host_us(lambda: q.encode(x, seed=2, check_finite=False)):.1f}", f"{host_us(deferred):.1f}"]
         print(f"| {q.spec} | {' | '.join(cells)} |", flush=True)
         if args.ops:
             print(f"|   encode ops: {dict(e[5])} |\n|   decode ops: {dict(d[5])} |")

@@ -102,9 +102,9 @@ SCRIPT = textwrap.dedent('''
 
     ] + [
         ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF if bits else PF64, lv_ptr=PF,
-         buf_ptr=PF64 if tail or not bits else PF, bits_ptr=P8, nrows=I, w=I,
+         buf_ptr=PF64 if tail or not bits else PF, bits_ptr=P8, nrows=I, w=I, rem=I,
          MODE=C, ITERS=C, D=C, LOG=C, ROWS=C, TAIL=C, BITS=C), dict(MODE=mode, ITERS=iters, D=d,
-         LOG=d.bit_length() - 1, ROWS=1 if tail else max(1, 4096 // d), TAIL=tail, BITS=bits), False)
+         LOG=d.bit_length() - 1, ROWS=max(1, 4096 // d), TAIL=tail, BITS=bits), False)
         for mode, iters, d, tail, bits in [(0, 0, 512, False, True), (1, 0, 512, False, True),
                                            (2, 0, 512, False, True), (2, 3, 64, False, False),
                                            (2, 1, 1, False, False), (0, 0, 4096, False, False),

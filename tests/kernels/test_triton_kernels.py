@@ -258,21 +258,34 @@ def test_sigma_merge_tree(chunk, launches, runs, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("rows,tail,passes", grid([1, 4], [0, 1, 2, 3, 5, 15], [1, 2],
-                                                  covering=[(1, 0, 1), (1, 3, 2), (4, 1, 1), (4, 5, 2), (4, 15, 1),
-                                                            (1, 0, 2), (4, 3, 1), (1, 15, 2)]))
-def test_one_bit_statistics_in_triton(tail, rows, passes, monkeypatch):
+@pytest.mark.parametrize("rows,tail,passes,own", grid([1, 4], [0, 1, 2, 3, 5, 15], [1, 2], [1, 2],
+                                                      covering=[(1, 0, 1, 1), (1, 3, 2, 1), (4, 1, 1, 1),
+                                                                (4, 5, 2, 1), (4, 15, 1, 1), (1, 0, 2, 1),
+                                                                (4, 3, 1, 1), (1, 15, 2, 1), (1, 3, 1, 2),
+                                                                (4, 5, 2, 2)]))
+def test_one_bit_statistics_in_triton(tail, rows, passes, own, monkeypatch):
     """The one-bit statistics of power-of-two buckets and of a partial last bucket of any width run
     in the Triton kernels (the torch reference is not called), with the reference's folds: the
     same thresholds and levels, bit for bit, for SignSGD, 1BitSGD and BinGrad-b with 0 to 3 Lloyd
     steps, one or four buckets a program (``T.TUNING``). The rows include buckets of −0.0 only, of
     one sign only, and a constant one. With one pass (``stats_passes``) the statistics' kernel
-    writes the bits too (``threshold_encode`` is not called), a partial last byte included."""
+    writes the bits too (``threshold_encode`` is not called), a partial last byte included, and the
+    statistics are one launch, the partial last bucket in its last program (``stats_tail`` 1) or,
+    with ``stats_tail`` 2 (``own``), in a launch of its own."""
+    from gradq.kernels import triton_binary
+
     monkeypatch.setitem(T.TUNING, "stats_elems", 16 * rows)
     monkeypatch.setitem(T.TUNING, "stats_passes", passes)
-    if passes == 1:
-        from gradq.kernels import triton_binary
+    monkeypatch.setitem(T.TUNING, "stats_tail", own)
+    launched = []
+    real = triton_binary._launch
 
+    def counted(kernel, *args, **meta):
+        launched.append(kernel)
+        return real(kernel, *args, **meta)
+
+    monkeypatch.setattr(triton_binary, "_launch", counted)
+    if passes == 1:
         def no_second_pass(*args, **kwargs):
             raise AssertionError("the bits took a pass of their own")
 
@@ -292,6 +305,9 @@ def test_one_bit_statistics_in_triton(tail, rows, passes, monkeypatch):
     assert same(T.onebit_encode(x, 16), want["onebit"])
     for k in range(4):
         assert same(T.bingrad_b_encode(x, 16, k), want[f"bingrad{k}"]), k
+    stats = 2 if own == 2 and tail else 1   # (launches of the statistics a call)
+    assert launched.count(triton_binary._binary_stats_kernel) == 6 * stats
+    assert len(launched) == 6 * (stats + passes - 1)
 
 
 def _level_test_input(bucket: int) -> torch.Tensor:

@@ -4,8 +4,9 @@ and triton_randk_values).
 Under Triton's interpreter (CPU tensors): the primitives give the bytes and floats of the
 composition they replace (the reference's indices, a gather, MaxNorm's primitives on the ``k``
 values, a scatter), without asking for the indices; where they do not choose the subset (nothing to
-choose, the torch path) they ask for them and give the same; an encode allocates nothing ``k``- or ``n``-sized besides its payload. On a
-GPU: the same bytes for 25M values, and the issue's peak of 1.25× the payload.
+choose, the torch path) they ask for them and give the same; an encode allocates nothing ``k``- or
+``n``-sized besides its payload. On a GPU: the same bytes for 25M values, and the issue's peak of
+1.25× the payload.
 """
 
 from __future__ import annotations

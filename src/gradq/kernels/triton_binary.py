@@ -5,7 +5,8 @@ Part of the Triton backend (:mod:`gradq.kernels.triton_ops`, which exports these
 function has the signature and the result of its namesake in :mod:`gradq.kernels.reference`.
 
 * **The statistics** (``_binary_stats_kernel``): whole power-of-two buckets per program, summed in
-  the reference's pairwise order (``_fold_rows``), a partial last bucket in one more program; for
+  the reference's pairwise order (``_fold_rows``), a partial last bucket in the same launch's last
+  program; for
   buckets of 8 to 4,096 values the same pass writes the bits from the tile it has loaded.
 * **Bits for given thresholds** (``_threshold_kernel``) and **BinGrad-pb's bits**
   (``_pb_bits_kernel``, the reference's stochastic rounding onto ``±b``).
@@ -205,21 +206,19 @@ def _pack_rows(bits, bits_ptr, row, ok, w, ROWS: tl.constexpr, D: tl.constexpr):
 
 
 @_jit
-def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE: tl.constexpr,
-                         ITERS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr,
-                         TAIL: tl.constexpr, BITS: tl.constexpr):
-    """The one-bit statistics of buckets of ``w`` values, as
-    :func:`gradq.kernels.reference.one_bit_stats`: float64 thresholds into ``t_ptr`` and float32
-    levels into ``lv_ptr`` (MODE 0, SignSGD: ``mean |x|``; 1, 1BitSGD: the means of ``x < 0`` and
-    ``x ≥ 0``; 2, BinGrad-b: ``(b0, b1)`` after ``ITERS`` Lloyd steps). Either ``ROWS`` full
-    buckets of ``w = D = 2**LOG`` values a program, or (``TAIL``) one bucket of any ``w ≤ D``,
-    whose folds go through the scratch ``buf_ptr`` (``w`` float64). With ``BITS`` (``D ≥ 8``) the
-    same read writes the bits ``float64(x) ≥ t`` into ``bits_ptr`` (``threshold_encode``'s, whose
-    bucket starts at a byte: its first bucket's) instead of the thresholds, so that the encode
-    reads ``x`` once and holds no threshold array."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _binary_stats_rows(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, row, ok, w, MODE: tl.constexpr,
+                       ITERS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr,
+                       TAIL: tl.constexpr, BITS: tl.constexpr):
+    """The one-bit statistics of the buckets ``row`` (``ROWS`` of them, those ``ok`` live) of ``w``
+    values each, as :func:`gradq.kernels.reference.one_bit_stats`: float64 thresholds into ``t_ptr``
+    and float32 levels into ``lv_ptr`` (MODE 0, SignSGD: ``mean |x|``; 1, 1BitSGD: the means of
+    ``x < 0`` and ``x ≥ 0``; 2, BinGrad-b: ``(b0, b1)`` after ``ITERS`` Lloyd steps). Either whole
+    buckets of ``w = D = 2**LOG`` values, or (``TAIL``) one bucket of any ``w ≤ D``, whose folds go
+    through the scratch ``buf_ptr`` (``w`` float64). With ``BITS`` (``D ≥ 8``) the same read writes
+    the bits ``float64(x) ≥ t`` into ``bits_ptr`` (``threshold_encode``'s, whose bucket starts at a
+    byte) instead of the thresholds, so that the encode reads ``x`` once and holds no threshold
+    array."""
     col = tl.arange(0, D)
-    ok = row < nrows
     ok2 = ok[:, None] & (col[None, :] < w)
     x32 = tl.load(x_ptr + row[:, None] * D + col[None, :], mask=ok2, other=0.0)
     x = x32.to(tl.float64)
@@ -254,6 +253,26 @@ def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, MODE
         tl.store(lv_ptr + 2 * row + 1, b1.to(tl.float32), mask=ok)
         if BITS:
             _pack_rows((ok2 & (x >= t[:, None])).to(tl.int32), bits_ptr, row, ok, w, ROWS, D)
+
+
+
+
+@_jit
+def _binary_stats_kernel(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, nrows, w, rem, MODE: tl.constexpr,
+                         ITERS: tl.constexpr, D: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr,
+                         TAIL: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_binary_stats_rows` of ``nrows`` whole buckets of ``w = D`` values, ``ROWS`` a program;
+    with TAIL, the grid's last program takes the partial bucket of ``rem`` values after them (bucket
+    ``nrows``, its folds through ``buf_ptr``), so that one launch covers the vector."""
+    pid = tl.program_id(0)
+    if TAIL and pid == tl.num_programs(0) - 1:
+        last = tl.zeros((1,), tl.int64) + nrows
+        _binary_stats_rows(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, last, last <= nrows, rem, MODE, ITERS, D, LOG,
+                           1, True, BITS)
+    else:
+        row = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        _binary_stats_rows(x_ptr, t_ptr, lv_ptr, buf_ptr, bits_ptr, row, row < nrows, w, MODE, ITERS, D, LOG,
+                           ROWS, False, BITS)
 
 
 @_jit
@@ -328,10 +347,11 @@ def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int
                   bits: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """Per-bucket ``(float64 thresholds, flat float32 levels)`` as ``reference.one_bit_stats(xv,
     bucket, stats)``. Full buckets of a power-of-two size up to ``reference.SUM_BLOCK`` take one
-    Triton pass (whole buckets per program, each read once, nothing input-sized allocated), a
-    partial last bucket one more launch; buckets of other sizes take the reference in torch. With
-    ``bits`` (a Triton pass, buckets of 8 values or more) the same pass writes the bits of
-    ``threshold_encode(xv, thresholds, bucket)`` there instead, and the thresholds are None."""
+    Triton pass (whole buckets per program, each read once, nothing input-sized allocated; a
+    partial last bucket in the same launch's last program); buckets of other sizes take the
+    reference in torch. With ``bits`` (a Triton pass, buckets of 8 values or more) the same pass
+    writes the bits of ``threshold_encode(xv, thresholds, bucket)`` there instead, and the
+    thresholds are None."""
     n = xv.numel()
     d = _bucket(n, bucket)
     if not _stats_in_triton(n, d):
@@ -346,14 +366,17 @@ def _binary_stats(xv: torch.Tensor, bucket: Optional[int], mode: int, iters: int
     out = bits if fused else t
     rows = _rows_per_program(max(1, TUNING["stats_elems"] // d), nfull)
     log = d.bit_length() - 1
-    _launch(_binary_stats_kernel, _grid(nfull, rows), xv, t, lv, t, out, nfull, d, MODE=mode, ITERS=iters, D=d,
-            LOG=log, ROWS=rows, TAIL=False, BITS=fused, num_warps=TUNING["stats_warps"])
-    w = n - nfull * d
-    if w:   # the partial last bucket: one program, its folds through a scratch row of w values
-        scratch = torch.empty(w, dtype=torch.float64, device=xv.device)
-        _launch(_binary_stats_kernel, (1,), xv[nfull * d:], t if fused else t[nfull:], lv[nfull * per:], scratch,
-                out[nfull * d // 8:] if fused else t, 1, w, MODE=mode, ITERS=iters, D=d, LOG=log, ROWS=1, TAIL=True,
-                BITS=fused)
+    w = n - nfull * d   # a partial last bucket: a last program, its folds through w float64
+    scratch = torch.empty(w, dtype=torch.float64, device=xv.device) if w else t
+    args = (xv, t, lv, scratch, out, nfull, d, w)
+    meta = dict(MODE=mode, ITERS=iters, D=d, LOG=log, BITS=fused)
+    grid = _grid(nfull, rows)[0]
+    if w and TUNING["stats_tail"] == 2:   # (the last program in a launch of its own, at the default warps)
+        _launch(_binary_stats_kernel, (grid,), *args, ROWS=rows, TAIL=False, num_warps=TUNING["stats_warps"], **meta)
+        _launch(_binary_stats_kernel, (1,), *args, ROWS=1, TAIL=True, **meta)
+    else:
+        _launch(_binary_stats_kernel, (grid + (1 if w else 0),), *args, ROWS=rows, TAIL=bool(w),
+                num_warps=TUNING["stats_warps"], **meta)
     return (None if fused else t), lv
 
 

@@ -162,6 +162,9 @@ TUNING = {
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
     "stats_warps": 1,
     "stats_passes": 1,      # reads of x in the one-bit encodes: 1, the bits in the statistics' pass; 2, a pass each
+    "stats_tail": 1,        # a partial last bucket's statistics: 1, the launch's last program; 2, a launch of
+                            # its own (the main one then needs fewer registers: SignSGD's 65 against 127; not yet
+                            # timed on a GPU)
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)

@@ -16,10 +16,11 @@ subset stays implicit:
   bits picked so far in a histogram of their next bits, and a one-program pass that picks the bin
   holding the ``k``-th (shared with Top-K). The top level, where every draw counts, makes each
   program's histogram in registers (``tl.histogram``) and adds it bin by bin; below it about one
-  draw in ``2^BITS`` matches, and each of those adds itself. The levels cover all 32 bits and count every draw, so the pick never runs
-  short, and the last bin is one draw value. ``t`` stays in the selection's state on the device:
-  the kernels that follow read it there, and the host reads nothing, so a new shared seed each
-  step (the DDP hook's) never makes the host wait for the device.
+  draw in ``2^BITS`` matches, and each of those adds itself. The levels cover all 32 bits and
+  count every draw, so the pick never runs short, and the last bin is one draw value. ``t`` stays
+  in the selection's state on the device: the kernels that follow read it there, and the host
+  reads nothing, so a new shared seed each step (the DDP hook's) never makes the host wait for
+  the device.
 * **Positions.** A pass counts the selected coordinates of each block of counters, and a
   one-program scan turns the counts into running sums in place: a selected coordinate's position
   in the sub-vector is its block's start plus the selected before it in the block.
