@@ -209,25 +209,19 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
 
 def host_us(fn, repeats: int = 300) -> float:
     """Median wall time of ``fn()`` in µs with every Triton launch a no-op (20 calls first)."""
-    import statistics
-    import time
+    from bench_codecs import median_time
 
     mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK)
     real = C._launch
     for m in mods:
         m._launch = lambda *a, **kw: None
     try:
-        for _ in range(20):
+        for _ in range(19):
             fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        return median_time(fn, repeats)[1] * 1e6   # (its first call is the twentieth)
     finally:
         for m in mods:
             m._launch = real
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:

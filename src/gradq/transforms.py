@@ -280,13 +280,14 @@ class ErrorFeedback(Quantizer):
     def skips_finite_check(self, x: torch.Tensor, shared: Optional[Mapping[str, torch.Tensor]] = None) -> bool:
         return self.inner.skips_finite_check(x, shared)
 
-    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None,
+               shared_seed: Optional[int] = None) -> torch.Tensor:
         if payload.spec != self.spec:
             from .errors import PayloadError
 
             raise PayloadError(f"payload was encoded by {payload.spec!r}, cannot decode with {self.spec!r}")
         inner = Payload(self.inner.spec, payload.shape, payload.dtype, payload.numel, payload.fields)
-        return self.inner.decode(inner, out=out)
+        return self.inner.decode(inner, out=out, shared_seed=shared_seed)
 
     def _summable_input(self, x: torch.Tensor, name: Optional[str], state: ErrorFeedbackState,
                         shared: Optional[Mapping[str, torch.Tensor]], shared_seed: Optional[int],

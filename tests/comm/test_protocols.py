@@ -49,15 +49,35 @@ def _key(proto, spec, n, kw):
     return f"{proto}|{spec}|{n}|{sorted(kw.items())}"
 
 
+def _count_unseeded_decodes(patch=setattr) -> list:
+    """From now on (``patch``: how to replace the method; a test's ``monkeypatch.setattr`` undoes it),
+    count the decodes of payloads with a ``seed`` field that are not given the shared seed they were
+    sent under (each reads the field on the host, a wait on a GPU): ``[count]``."""
+    from gradq.quantizers.base import Quantizer
+
+    count = [0]
+    real = Quantizer._given_seed
+
+    def counting(self, fields, shared_seed):
+        count[0] += shared_seed is None and "seed" in fields
+        return real(self, fields, shared_seed)
+
+    patch(Quantizer, "_given_seed", counting)
+    return count
+
+
 def _child(rank: int, world: int, tmp: str) -> None:
     gradq_testing.init_gloo(tmp, rank, world)
     fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
            "allreduce": shared_scale_allreduce}
     res: dict = {}
+    unseeded = _count_unseeded_decodes()
     for proto, spec, n, kw in cases():
         info: dict = {}
+        before = unseeded[0]
         res[_key(proto, spec, n, kw)] = fns[proto](grad(rank, n), gradq.build(spec), seed=SEED, info=info, **kw)
         res["info|" + _key(proto, spec, n, kw)] = info
+        res["unseeded|" + _key(proto, spec, n, kw)] = unseeded[0] - before
     q, ef2 = gradq.ErrorFeedback("maxnorm:bits=2"), gradq.ErrorFeedback("maxnorm:bits=2")
     for step in range(2):  # memories carry over between calls
         res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
@@ -353,6 +373,20 @@ def test_all_ranks_identical(run):
                 assert torch.equal(val, outs[r][key]), (key, r)
             else:
                 assert val == outs[r][key], (key, r)
+
+
+def test_protocols_decode_under_the_shared_seeds_they_chose(run, monkeypatch):
+    """Rand-K's payloads carry their shared seed; the all-gather, scatter (both phases) and
+    parameter-server protocols chose it, and decode with it instead of reading each payload's field
+    (the count is not blind: a plain decode counts)."""
+    world, outs = run
+    keys = [_key(*c) for c in cases() if c[1].startswith("randk") and c[0] != "allreduce"]
+    assert keys and all(out["unseeded|" + k] == 0 for out in outs for k in keys), [
+        (k, out["unseeded|" + k]) for out in outs for k in keys]
+    unseeded = _count_unseeded_decodes(monkeypatch.setattr)
+    q = gradq.build("randk:ratio=0.25")
+    q.decode(q.encode(grad(0, 100), seed=1))
+    assert unseeded == [1]
 
 
 def test_allgather_and_ps_exact(run):

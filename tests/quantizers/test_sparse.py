@@ -472,3 +472,81 @@ def test_randk_decodes_its_own_payload_without_selecting_again(monkeypatch):
     assert torch.equal(q.decode(p), want) and len(calls) == 1   # (the encoder does not)
     q.decode(other)
     assert len(calls) == 2
+
+
+class _FieldReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that bring a value of the payloads' fields to the host (on a GPU, each
+    waits for the device); values the decode made on the host are not counted."""
+
+    def __init__(self, payloads):
+        super().__init__()
+        self.fields = {f.untyped_storage().data_ptr() for p in payloads for f in p.fields.values()}
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("_local_scalar_dense", "item", "equal", "is_nonzero"):
+            self.reads += any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.fields
+                              for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+SEEDED = ["randk:ratio=0.01", "randk:k=50,rescale=1", "randk-maxnorm:ratio=0.05,bits=4",
+          "randk-multiscale:ratio=0.05,bits=2+6", "ef(randk:ratio=0.02)"]
+
+
+@pytest.mark.parametrize("spec", SEEDED)
+def test_decode_under_the_known_shared_seed_reads_no_seed_field(spec):
+    """``decode`` / ``decode_mean`` with ``shared_seed=`` (as the protocols decode): the decodes of
+    the payload's own seed bit for bit, with no host read inside ``deferred_checks`` (where the plain
+    decode reads the field); and :meth:`implied_shared_seed` is the seed an encode without one drew."""
+    from gradq import kernels
+
+    n = 4_001
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(j)) for j in range(3)]
+    q = gradq.build(spec)
+    ps = [q.encode(x, seed=j, shared_seed=77) for j, x in enumerate(xs)]
+    assert torch.equal(q.decode(ps[0], shared_seed=77), q.decode(ps[0]))
+    into = torch.full((n,), float("nan"))
+    assert q.decode(ps[1], out=into, shared_seed=77) is into and torch.equal(into, q.decode(ps[1]))
+    assert torch.equal(q.decode_mean(ps, shared_seed=77), q.decode_mean(ps))
+    for given in (True, False):
+        with kernels.deferred_checks() as checks, _FieldReads(ps) as mode:
+            q.decode(ps[2], out=into, shared_seed=77 if given else None)
+            q.decode_mean(ps, out=into, shared_seed=77 if given else None)
+        assert (mode.reads == 0) == given, (given, mode.reads)   # (the plain decodes read the field)
+        checks.check()
+    own = q.encode(xs[0], seed=5)   # (no shared seed: the encode draws one and sends it)
+    assert torch.equal(q.decode(own, shared_seed=q.implied_shared_seed(5)), q.decode(own))
+
+
+@pytest.mark.parametrize("spec", SEEDED[:3])
+def test_a_seed_field_other_than_the_given_seed_is_refused(spec):
+    """A payload whose seed field is not the shared seed the caller gives: refused before ``out`` is
+    written (a host read, as the plain decode's own read of the field), or counted inside
+    ``deferred_checks``, whose check then refuses the step."""
+    from gradq import kernels
+    from gradq.errors import PayloadError
+
+    n = 2_003
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    q = gradq.build(spec)
+    p = q.encode(x, seed=1, shared_seed=77)
+    into = torch.full((n,), float("nan"))
+    with pytest.raises(PayloadError, match="seed field"):
+        q.decode(p, out=into, shared_seed=78)
+    assert torch.isnan(into).all()
+    with pytest.raises(PayloadError, match="seed field"):
+        q.decode_mean([p, p], shared_seed=78)
+    with kernels.deferred_checks() as checks:
+        q.decode(p, out=into, shared_seed=78)
+    with pytest.raises(PayloadError, match="shared seeds"):
+        checks.check()
+
+
+def test_schemes_without_a_seed_field_ignore_the_shared_seed():
+    x = torch.randn(1_000, generator=torch.Generator().manual_seed(2))
+    for spec in ("qsgd:bits=4,bucket=64", "topk:ratio=0.1", "maxnorm:bits=4"):
+        q = gradq.build(spec)
+        p = q.encode(x, seed=3)
+        assert torch.equal(q.decode(p, shared_seed=9), q.decode(p))
+        assert torch.equal(q.decode_mean([p, p], shared_seed=9), q.decode_mean([p, p]))

@@ -412,9 +412,11 @@ def mean_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc / len(parts)
 
 
-def decode_bytes(q: Quantizer, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Decode one serialized payload (``Payload.to_bytes`` output, unpadded)."""
-    return q.decode(q.payload_from_bytes(buf, shape, dtype))
+def decode_bytes(q: Quantizer, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                 shared_seed: Optional[int] = None) -> torch.Tensor:
+    """Decode one serialized payload (``Payload.to_bytes`` output, unpadded), encoded under
+    ``shared_seed`` where the caller knows it (:meth:`gradq.Quantizer.decode`)."""
+    return q.decode(q.payload_from_bytes(buf, shape, dtype), shared_seed=shared_seed)
 
 
 def gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:

@@ -64,7 +64,7 @@ def allgather_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: in
     with phase(info, "comm"):
         bufs = all_gather_bytes(buf, None if fixed is None else fixed + trailer, group)
     with decoding(info):
-        out = _mean_of_payloads(q, bufs, trailer, x, info, name=None)
+        out = _mean_of_payloads(q, bufs, trailer, x, info, name=None, shared_seed=shared_seed)
     info.update(payload_nbytes=int(buf.numel()),
                 bytes_sent=allgather_bytes_per_worker(max(b.numel() for b in bufs), world))
     raise_if_damaged("allgather_mean", info, defer_damage)
@@ -136,20 +136,23 @@ class AllgatherPipeline:
         else:
             with phase(self.info, "comm"):
                 fut = self.lane.submit(lambda: all_gather_bytes(buf, fixed, group))
-        return {"out": out, "n": x.numel(), "trailer": trailer, "name": name}, fut
+        return {"out": out, "n": x.numel(), "trailer": trailer, "name": name, "shared_seed": ss}, fut
 
     def _finish(self, st: dict[str, Any], fut: Any) -> None:
         with phase(self.info, "comm"):
             bufs = fut.result()
         with decoding(self.info):
-            _mean_of_payloads(self.q, bufs, st["trailer"], st["out"], self.info, name=st["name"], out=st["out"])
+            _mean_of_payloads(self.q, bufs, st["trailer"], st["out"], self.info, name=st["name"], out=st["out"],
+                              shared_seed=st["shared_seed"])
 
 
 def _mean_of_payloads(q: Quantizer, bufs: list[torch.Tensor], trailer: int, like: torch.Tensor, info: dict,
-                      *, name: Optional[str], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      *, name: Optional[str], out: Optional[torch.Tensor] = None,
+                      shared_seed: Optional[int] = None) -> torch.Tensor:
     """The average, in rank order, of the decodes of every rank's sealed payload (shape and dtype of
     ``like``): one fused pass where the scheme has a kernel (bit-identical to decoding each and adding);
-    a payload whose checksum fails is noted in ``info`` and counts as zeros (the step will be refused)."""
+    a payload whose checksum fails is noted in ``info`` and counts as zeros (the step will be refused).
+    ``shared_seed``: the one every payload was encoded under (no read of their seed fields)."""
     prefix = f"{name}: " if name else ""
     where = prefix + "payload from rank {}"
     bodies = []
@@ -164,11 +167,12 @@ def _mean_of_payloads(q: Quantizer, bufs: list[torch.Tensor], trailer: int, like
         parsed = [decoded_or_zeros(info, lambda b=b: q.payload_from_bytes(b, like.shape, like.dtype, copy=False),
                                    lambda: None, where.format(m)) for m, b in enumerate(bodies)]
         if all(p is not None for p in parsed):
-            return decoded_or_zeros(info, lambda: q.decode_mean(parsed, out=out),
+            return decoded_or_zeros(info, lambda: q.decode_mean(parsed, out=out, shared_seed=shared_seed),
                                     lambda: zeros() if out is None else out.zero_(),
                                     prefix + "the payloads' mean")
         bodies = [b if p is not None else None for b, p in zip(bodies, parsed)]   # (counted once, above)
-    parts = [decoded_or_zeros(info, lambda b=b: decode_bytes(q, b, like.shape, like.dtype), zeros, where.format(m))
+    parts = [decoded_or_zeros(info, lambda b=b: decode_bytes(q, b, like.shape, like.dtype, shared_seed), zeros,
+                              where.format(m))
              if b is not None else zeros() for m, b in enumerate(bodies)]
     mean = mean_in_order(parts).reshape(like.shape).to(like.dtype)
     return mean if out is None else out.copy_(mean)

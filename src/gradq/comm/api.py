@@ -77,7 +77,7 @@ def average(x: torch.Tensor, q: Quantizer, protocol: str, *, group: Any = None, 
         with phase(info, "encode"):
             p = q.encode(x, seed=derive_seed(seed, r, "encode"), shared_seed=ss, name=name, check_finite=check_finite)
         with phase(info, "decode"):
-            res = q.decode(p)
+            res = q.decode(p, shared_seed=ss)
         return res, 0
     if protocol == "allreduce":
         out = shared_scale_allreduce(x, q, group=group, seed=seed, name=name, info=info, verify=verify,

@@ -97,7 +97,8 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
                 body, ok = unseal(b[:sz], trailer)
                 if not ok:
                     note_damage(info, f"payload pushed by rank {m}")
-                parts.append(decoded_or_zeros(info, lambda body=body: decode_bytes(q, body, x.shape, x.dtype),
+                parts.append(decoded_or_zeros(info, lambda body=body: decode_bytes(q, body, x.shape, x.dtype,
+                                                                                   shared_seed),
                                               lambda: x.new_zeros(x.shape), f"payload pushed by rank {m}")
                              if ok else x.new_zeros(x.shape))
         avg = mean_in_order(parts)
@@ -122,7 +123,8 @@ def parameter_server_mean(x: torch.Tensor, q: Quantizer, *, group: Any = None, s
             note_damage(info, "the re-encoded average from the server")
         with refused_later(info):
             zeros = lambda: x.new_zeros(x.shape).reshape(-1)  # noqa: E731
-            out = decoded_or_zeros(info, lambda: decode_bytes(q2, body, x.shape, x.dtype), zeros,
+            ss2 = q2.implied_shared_seed(derive_seed(seed, server, "server")) if q2.needs_shared_seed else None
+            out = decoded_or_zeros(info, lambda: decode_bytes(q2, body, x.shape, x.dtype, ss2), zeros,
                                    "the re-encoded average from the server") if ok else zeros()
         pull = fixed2
     # the server's decode and re-encode count as waiting for the others

@@ -88,11 +88,13 @@ def _chunks(x: torch.Tensor, world: int) -> tuple[list[torch.Tensor], int]:
     return out, chunk
 
 
-def _decode_mean(q: Quantizer, bufs: list[torch.Tensor], chunk: int) -> torch.Tensor:
+def _decode_mean(q: Quantizer, bufs: list[torch.Tensor], chunk: int,
+                 shared_seed: Optional[int] = None) -> torch.Tensor:
     """``(d_0 + d_1 + … + d_{M−1}) / M`` of the received payloads, summed left to right in float32
     (as :func:`mean_in_order`) by :meth:`Quantizer.decode_mean` — one fused pass where the scheme has
-    a kernel for it."""
-    return q.decode_mean([q.payload_from_bytes(b, (chunk,), torch.float32, copy=False) for b in bufs])
+    a kernel for it; ``shared_seed``: the one the chunk's payloads were encoded under."""
+    return q.decode_mean([q.payload_from_bytes(b, (chunk,), torch.float32, copy=False) for b in bufs],
+                         shared_seed=shared_seed)
 
 
 def _exchange(send: torch.Tensor, send_sizes: list[int], fixed: Optional[int],
@@ -378,7 +380,8 @@ class ScatterPipeline:
                             + (f" (segment {st['tag'][1:]})" if st["tag"] else ""))
             # a damaged chunk is not decoded: the step will be refused, and its bytes could be anything
             zeros = lambda: recv.new_zeros(chunk, dtype=torch.float32)  # noqa: E731
-            avg = decoded_or_zeros(self.info, lambda: _decode_mean(self.q, list(bodies), chunk), zeros,
+            ss = derive_seed(st["seed"], None, f"chunk{rank}") if self.q.needs_shared_seed else None
+            avg = decoded_or_zeros(self.info, lambda: _decode_mean(self.q, list(bodies), chunk, ss), zeros,
                                    f"chunk {rank}") if all(intact) else zeros()
         with phase(self.info, "encode"):
             # (with check_finite=False: the average of finite decodes, finite unless float32 overflows)
@@ -391,6 +394,8 @@ class ScatterPipeline:
         return self._submit(lambda: all_gather_bytes(pb, None if fixed2 is None else fixed2 + trailer, group))
 
     def _finish(self, s: int, fut: Future) -> None:
+        from . import derive_seed
+
         with phase(self.info, "comm"):
             gathered = fut.result()
         st = self._seg.pop(s)
@@ -406,10 +411,14 @@ class ScatterPipeline:
                 if not ok:
                     res[lo:hi] = 0.0
                     continue
-                def one(lo=lo, hi=hi, buf=buf):
+                # (the seed rank j re-encoded with: the shared seed its encode drew is known here)
+                ss = (self.q2.implied_shared_seed(derive_seed(st["seed"], j, "reencode"))
+                      if self.q2.needs_shared_seed else None)
+
+                def one(lo=lo, hi=hi, buf=buf, ss=ss):
                     pl = self.q2.payload_from_bytes(buf, (chunk,), torch.float32, copy=False)
                     if hi - lo == chunk:
-                        return self.q2.decode(pl, out=res[lo:hi])
-                    res[lo:hi] = self.q2.decode(pl)[: hi - lo]
+                        return self.q2.decode(pl, out=res[lo:hi], shared_seed=ss)
+                    res[lo:hi] = self.q2.decode(pl, shared_seed=ss)[: hi - lo]
                     return res[lo:hi]
                 decoded_or_zeros(self.info, one, lambda lo=lo, hi=hi: res[lo:hi].zero_(), f"averaged chunk {j}")

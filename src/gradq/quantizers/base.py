@@ -25,6 +25,7 @@ import torch
 
 from .. import kernels
 from ..errors import NonFiniteError, PayloadError, SpecError
+from ..kernels.checks import refuse_invalid
 from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
 from ..random import RandomStream, resolve_seed
 from ..spec import Param, format_value
@@ -32,6 +33,14 @@ from ..spec import Param, format_value
 __all__ = ["Quantizer", "SharedStat", "EncodeContext", "check_finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_U64 = (1 << 64) - 1
+_SHARED_SEED_KEY = 0x5EED   # the child stream an encode draws its own shared seed from, where none is given
+
+
+def signed64(seed: int) -> int:
+    """A 64-bit seed as the int64 with the same bits (what a payload's ``seed`` field holds)."""
+    s = int(seed) & _U64
+    return s - (1 << 64) if s >= (1 << 63) else s
 
 
 class SharedStat(NamedTuple):
@@ -262,7 +271,7 @@ class Quantizer:
         v = self._flatten(x, name, screen=witness is None and (check_finite or not self.runs_on_nonfinite))
         rng = RandomStream(resolve_seed(seed, generator))
         if self.needs_shared_seed and shared_seed is None:
-            shared_seed = rng.child(0x5EED).seed
+            shared_seed = rng.child(_SHARED_SEED_KEY).seed
         ctx = self._context(v, rng, shared, shared_seed, name)
         try:
             fields = self._encode(v, ctx)
@@ -303,24 +312,55 @@ class Quantizer:
             out[k] = val.to(device=stat.value.device, dtype=stat.value.dtype)
         return out
 
-    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, out: Optional[torch.Tensor] = None,
+               shared_seed: Optional[int] = None) -> torch.Tensor:
         """Decode a payload made by an equal quantizer; returns a tensor of the original shape,
         dtype and device (the device of the payload's fields).
 
         ``out``: a tensor of the payload's shape and dtype to decode into (returned). A contiguous
         float32 CPU ``out`` is written directly by the fused kernels, which saves allocating (and
-        page-faulting) a fresh output — what a communication hook decoding into its bucket wants."""
+        page-faulting) a fresh output — what a communication hook decoding into its bucket wants.
+
+        ``shared_seed``: the shared seed the payload was encoded under, where the caller knows it
+        (the protocols chose it; :meth:`implied_shared_seed` where the encode drew its own). A scheme
+        that sends its shared seed (the Rand-K family's ``seed`` field) then decodes with it instead
+        of reading the field, which on a GPU is a host read: the field is compared with it on its
+        device, and a payload whose field differs is refused (:class:`gradq.PayloadError`; inside
+        :func:`gradq.kernels.deferred_checks` it is counted there instead, and the decode goes on
+        with the given seed). The other schemes ignore it."""
         self._check_payload(payload)
+        fields = self._given_seed(payload.fields, shared_seed)
         if out is not None:
             if tuple(out.shape) != tuple(payload.shape) or out.dtype != payload.dtype:
                 raise ValueError(f"{self.name}: out= must have shape {tuple(payload.shape)} and dtype "
                                  f"{payload.dtype}, got {tuple(out.shape)} {out.dtype}")
             if out.dtype == torch.float32 and out.is_contiguous() and out.device == payload.device:
-                if self._decode_into(payload.fields, payload.numel, out.view(-1)):
+                if self._decode_into(fields, payload.numel, out.view(-1)):
                     return out
-            return out.copy_(self._decode(payload.fields, payload.numel).reshape(out.shape))
-        v = self._decode(payload.fields, payload.numel)
+            return out.copy_(self._decode(fields, payload.numel).reshape(out.shape))
+        v = self._decode(fields, payload.numel)
         return v.reshape(payload.shape).to(payload.dtype)
+
+    @staticmethod
+    def implied_shared_seed(seed: int) -> int:
+        """The shared seed ``encode(x, seed=seed)`` of a ``needs_shared_seed`` scheme draws for itself
+        where none is given (and sends in its payload): what a decoder that knows ``seed`` passes as
+        :meth:`decode`'s ``shared_seed``."""
+        return RandomStream(resolve_seed(seed, None)).child(_SHARED_SEED_KEY).seed
+
+    def _given_seed(self, fields: Mapping[str, torch.Tensor],
+                    shared_seed: Optional[int]) -> Mapping[str, torch.Tensor]:
+        """``fields`` with their ``seed`` field replaced by a host copy of ``shared_seed``, after a
+        comparison on the field's device (refused or counted, as :meth:`decode` says); ``fields``
+        as they are without a ``shared_seed`` or a ``seed`` field."""
+        if shared_seed is None or "seed" not in fields:
+            return fields
+        want = signed64(shared_seed)
+        got = fields["seed"].reshape(-1)
+        refuse_invalid((got != want).sum(), lambda _: (
+            f"{self.name}: the payload's seed field is not the shared seed it was sent under "
+            f"({want}); corrupt payload"), "shared seeds")
+        return {**fields, "seed": torch.full((1,), want, dtype=torch.int64)}
 
     def _check_payload(self, payload: Payload) -> None:
         if not isinstance(payload, Payload):
@@ -342,13 +382,15 @@ class Quantizer:
         (on a GPU each check is a host read; error feedback passes True)."""
         return False
 
-    def decode_mean(self, payloads: Sequence[Payload], *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode_mean(self, payloads: Sequence[Payload], *, out: Optional[torch.Tensor] = None,
+                    shared_seed: Optional[int] = None) -> torch.Tensor:
         """The mean of the decodes of several payloads of one shape and dtype (e.g. every worker's
         payload for one chunk): ``(((d_0 + d_1) + d_2) + …) / M``, added in list order in the payloads'
         dtype. Schemes with a fused kernel (QSGD, MaxNorm, TernGrad on CPU) compute it in one pass
         without materialising each decode; the result is bit for bit the same.
 
-        ``out``: optional tensor of the payloads' shape and dtype to write the mean into (returned)."""
+        ``out``: optional tensor of the payloads' shape and dtype to write the mean into (returned).
+        ``shared_seed``: the one shared seed every payload was encoded under, as in :meth:`decode`."""
         if isinstance(payloads, Payload) or not payloads:
             raise ValueError(f"{self.name}: decode_mean needs a non-empty sequence of payloads")
         first = payloads[0]
@@ -363,12 +405,13 @@ class Quantizer:
         if out is None:  # never a view of a payload's field (the sum is made in place)
             out = torch.empty(first.shape, dtype=first.dtype, device=first.device)
         if first.dtype == torch.float32 and out.is_contiguous() and out.device == first.device:
-            if self._decode_mean_into([p.fields for p in payloads], first.numel, out.view(-1)):
+            if self._decode_mean_into([self._given_seed(p.fields, shared_seed) for p in payloads], first.numel,
+                                      out.view(-1)):
                 return out
-        acc = self.decode(first, out=out)
+        acc = self.decode(first, out=out, shared_seed=shared_seed)
         tmp = torch.empty_like(out)  # decoded into: a decode may return a view of the payload's field
         for p in payloads[1:]:
-            tmp = self.decode(p, out=tmp)
+            tmp = self.decode(p, out=tmp, shared_seed=shared_seed)
             acc += tmp
         return acc.div_(len(payloads))
 

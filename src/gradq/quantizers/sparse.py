@@ -35,7 +35,7 @@ from .. import kernels
 from ..kernels.checks import refuse_invalid
 from ..spec import BoolParam, FloatParam, IntParam, register
 from ..payload import Payload
-from .base import EncodeContext, Quantizer
+from .base import EncodeContext, Quantizer, signed64
 
 __all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64", "seed_field"]
 
@@ -68,12 +68,6 @@ def topk_indices(v: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted int64 indices of the ``k`` largest ``|v_i|`` of a float32 vector, ties broken towards
     the lower index (:func:`gradq.kernels.topk_select`, whose reference states the keys)."""
     return kernels.topk_select(v.reshape(-1), k)[1]
-
-
-def signed64(seed: int) -> int:
-    """A 64-bit seed as the int64 with the same bits (what the ``seed`` field holds)."""
-    s = int(seed) & _U64
-    return s - (1 << 64) if s >= (1 << 63) else s
 
 
 def seed_field(seed: int, device: torch.device | str) -> torch.Tensor:
