@@ -175,7 +175,7 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     batches: dict[str, list[tuple[Any, torch.Tensor, str]]] = {}
     for i, st in enumerate(stats):
         for key in sorted(st):
-            value, op = st[key]
+            value, op = st[key].value, st[key].op
             if op not in _OPS:
                 raise ValueError(f"{q.spec}: shared stat {key!r} has unknown reduction {op!r}")
             wire = reduce_dtype(value.dtype, backend)

@@ -50,6 +50,21 @@ class SharedStat(NamedTuple):
     value: torch.Tensor
     op: str
 
+    @staticmethod
+    def carrying(value: torch.Tensor, op: str, aux: Any) -> "SharedStat":
+        """A statistic (still the pair ``(value, op)``) that also carries ``aux``: what the same pass
+        found that this worker's own encode needs besides (never reduced; TernGrad's clip bound), so
+        that an encode given these statistics as ``own=`` need not compute them again."""
+        stat = _Carrying(value, op)
+        stat.aux = aux
+        return stat
+
+
+class _Carrying(SharedStat):
+    """:meth:`SharedStat.carrying`'s statistic: a ``SharedStat`` with an ``aux`` attribute."""
+
+    aux: Any
+
 
 @dataclass
 class EncodeContext:
@@ -195,6 +210,13 @@ class Quantizer:
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return {}
 
+    def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
+        """This worker's :meth:`shared_stats` of the tensor, given (``own=``), as the encode's own
+        statistics, or None where the encode must compute them (:meth:`_own_stats`) again. They
+        serve as they are where :meth:`_own_stats` is :meth:`_shared_stats`; a scheme whose
+        :meth:`_own_stats` keeps by-products in ``ctx.scratch`` takes them from the stats' ``aux``."""
+        return dict(own) if type(self)._own_stats is Quantizer._own_stats else None
+
     def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
         """The encode-time version of :meth:`_shared_stats`: the same names and shapes (the encode
         checks reduced values against them), but a scheme may override it to stash by-products in
@@ -227,10 +249,8 @@ class Quantizer:
         if own is not None and shared is None:
             raise ValueError(f"{self.name}: own= describes the statistics shared= was reduced from; pass both")
         ctx = EncodeContext(rng=rng, shared_seed=shared_seed, name=name, trusted=own is not None)
-        if own is not None and type(self)._own_stats is Quantizer._own_stats:
-            ctx.own = dict(own)
-        else:
-            ctx.own = self._own_stats(v, ctx)
+        taken = None if own is None else self._take_own(own, ctx)
+        ctx.own = taken if taken is not None else self._own_stats(v, ctx)
         ctx.shared = ({k: s.value for k, s in ctx.own.items()} if shared is None
                       else self._check_shared(shared, ctx.own))
         return ctx

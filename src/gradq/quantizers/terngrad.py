@@ -43,6 +43,12 @@ from ._common import bucket_view, num_buckets
 __all__ = ["TernGrad", "clip_by_std", "population_std"]
 
 
+def bound_of(stats: Mapping[str, SharedStat]) -> Optional[torch.Tensor]:
+    """The clip bound TernGrad's statistics carry (:meth:`SharedStat.carrying`), or None where they
+    carry none (statistics made elsewhere)."""
+    return getattr(stats.get("scale"), "aux", None)
+
+
 @register("terngrad")
 class TernGrad(SummableQuantizer):
     """TernGrad: ternary codes ``{−1, 0, 1}`` times a per-bucket scaler, after gradient clipping.
@@ -98,13 +104,22 @@ class TernGrad(SummableQuantizer):
         return "scales" if shared is None and x.dtype == torch.float32 else None
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
-        return {"scale": SharedStat(kernels.terngrad_stats(v, self.clip, self.bucket)[1], "max")}
+        # σ, clip bound and clipped max-abs (one pass where the backend fuses them); the bound rides
+        # along unreduced, for this worker's encode of the same tensor (own=)
+        bound, scales = kernels.terngrad_stats(v, self.clip, self.bucket)
+        return {"scale": SharedStat.carrying(scales, "max", bound)}
 
     def _own_stats(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, SharedStat]:
-        # σ, clip bound and clipped max-abs (one pass where the backend fuses them); the bound is kept
-        bound, scales = kernels.terngrad_stats(v, self.clip, self.bucket)
+        own = self._shared_stats(v, ctx.shared_seed)
+        ctx.scratch["bound"] = bound_of(own)
+        return own
+
+    def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
+        bound = bound_of(own)
+        if bound is None:   # (statistics made elsewhere: computed again)
+            return None
         ctx.scratch["bound"] = bound
-        return {"scale": SharedStat(scales, "max")}
+        return dict(own)
 
     def _shared_scale(self, ctx: EncodeContext) -> torch.Tensor:
         scale = ctx.shared["scale"].to(torch.float32)
