@@ -22,6 +22,7 @@ ANY = ["none", "qsgd:bits=4,bucket=64", "qsgd:bits=4,bucket=64,coding=elias", "t
 SUMMABLE = ["none", "bf16", "maxnorm:bits=4", "maxnorm:bits=8", "multiscale", "terngrad",
             "randk-maxnorm:ratio=0.25"]
 SIZES = (1001, 3)
+EF_SPECS = ["maxnorm:bits=2", "randk:ratio=0.25"]   # (the scatter protocol with both error feedback memories)
 SEGMENTED = ["qsgd:bits=4,bucket=64", "qsgd:bits=4,bucket=64,coding=elias", "terngrad", "topk:ratio=0.1"]  # 1001: not divisible by 2 or 4; 3: fewer coordinates than 4 workers
 
 
@@ -78,10 +79,15 @@ def _child(rank: int, world: int, tmp: str) -> None:
         res[_key(proto, spec, n, kw)] = fns[proto](grad(rank, n), gradq.build(spec), seed=SEED, info=info, **kw)
         res["info|" + _key(proto, spec, n, kw)] = info
         res["unseeded|" + _key(proto, spec, n, kw)] = unseeded[0] - before
-    q, ef2 = gradq.ErrorFeedback("maxnorm:bits=2"), gradq.ErrorFeedback("maxnorm:bits=2")
-    for step in range(2):  # memories carry over between calls
-        res[f"ef{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
-                                             name="w", second_ef=ef2)
+    for spec in EF_SPECS:
+        q, ef2 = gradq.ErrorFeedback(spec), gradq.ErrorFeedback(spec)
+        for step in range(2):  # memories carry over between calls
+            info = {}
+            before = unseeded[0]
+            res[f"ef|{spec}|{step}"] = scatter_allgather(grad(rank, 1001) * (step + 1), q, seed=SEED + step,
+                                                         name="w", second_ef=ef2, info=info)
+            res[f"info|ef|{spec}|{step}"] = info
+            res[f"ef|{spec}|{step}|unseeded"] = unseeded[0] - before
     from gradq.comm._util import SMALL_SUM_BYTES, all_gather_bytes, sum_over_ranks
     from gradq.comm.allreduce import shared_scale_allreduce_many
     # small vectors: one all-to-all and a rank-order sum; large ones: the backend's all-reduce
@@ -442,9 +448,13 @@ def test_none_is_exact_mean(run):
                 torch.testing.assert_close(outs[0][_key(proto, spec, n, kw)], exact, rtol=1e-6, atol=1e-6)
 
 
-def test_scatter_with_two_error_feedback_memories(run):
+@pytest.mark.parametrize("spec", EF_SPECS)
+def test_scatter_with_two_error_feedback_memories(run, spec):
+    """Both memories carry over between calls; Rand-K's second memory re-encodes under the shared
+    seed its encode draws, which every rank decodes with (no payload refused, none decoded without
+    its seed)."""
     world, outs = run
-    n, spec = 1001, "maxnorm:bits=2"
+    n = 1001
     c = -(-n // world)
     first = [gradq.ErrorFeedback(spec) for _ in range(world)]  # each rank's own memories
     second = [gradq.ErrorFeedback(spec) for _ in range(world)]
@@ -454,11 +464,14 @@ def test_scatter_with_two_error_feedback_memories(run):
               for r in range(world)]
         chunks = []
         for j in range(world):
+            ss = derive_seed(seed, None, f"chunk{j}") if first[0].needs_shared_seed else None
             parts = [first[r].decode(first[r].encode(xs[r][j], seed=derive_seed(seed, r, f"chunk{j}"),
-                                                     name=f"w#chunk{j}")) for r in range(world)]
+                                                     shared_seed=ss, name=f"w#chunk{j}")) for r in range(world)]
             p2 = second[j].encode(_mean(parts), seed=derive_seed(seed, j, "reencode"), name=f"w#avg{j}")
             chunks.append(second[j].decode(p2))
-        torch.testing.assert_close(outs[0][f"ef{step}"], torch.cat(chunks)[:n], rtol=1e-6, atol=1e-6)
+        for out in outs:
+            torch.testing.assert_close(out[f"ef|{spec}|{step}"], torch.cat(chunks)[:n], rtol=1e-6, atol=1e-6)
+            assert not out[f"info|ef|{spec}|{step}"].get("damaged") and out[f"ef|{spec}|{step}|unseeded"] == 0
 
 
 def test_refusals(run):
