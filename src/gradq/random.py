@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["RandomStream", "resolve_seed", "mix32", "hash32_reference"]
+__all__ = ["RandomStream", "resolve_seed", "mix32", "hash32_reference", "signed64", "U64"]
 
 M32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
@@ -57,6 +57,15 @@ def hash32_reference(seed: int, index: int) -> int:
     x = ((index & M32) * GOLDEN32 + s.k1) & M32
     h = _mix32_int(x)
     return _mix32_int(h ^ s.k2 ^ ((index >> 32) & M32))
+
+
+U64 = (1 << 64) - 1   # a 64-bit seed's mask
+
+
+def signed64(seed: int) -> int:
+    """A 64-bit seed as the int64 with the same bits (what a payload's ``seed`` field holds)."""
+    s = int(seed) & U64
+    return s - (1 << 64) if s >= (1 << 63) else s
 
 
 def resolve_seed(seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> int:

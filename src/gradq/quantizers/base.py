@@ -27,20 +27,13 @@ from .. import kernels
 from ..errors import NonFiniteError, PayloadError, SpecError
 from ..kernels.checks import refuse_invalid
 from ..payload import FIELD_HEADER_BYTES, HEADER_BYTES, Payload
-from ..random import RandomStream, resolve_seed
+from ..random import RandomStream, resolve_seed, signed64
 from ..spec import Param, format_value
 
 __all__ = ["Quantizer", "SharedStat", "EncodeContext", "check_finite"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_U64 = (1 << 64) - 1
 _SHARED_SEED_KEY = 0x5EED   # the child stream an encode draws its own shared seed from, where none is given
-
-
-def signed64(seed: int) -> int:
-    """A 64-bit seed as the int64 with the same bits (what a payload's ``seed`` field holds)."""
-    s = int(seed) & _U64
-    return s - (1 << 64) if s >= (1 << 63) else s
 
 
 class SharedStat(NamedTuple):
@@ -349,7 +342,7 @@ class Quantizer:
         :func:`gradq.kernels.deferred_checks` it is counted there instead, and the decode goes on
         with the given seed). The other schemes ignore it."""
         self._check_payload(payload)
-        fields = self._given_seed(payload.fields, shared_seed)
+        fields = self._given_seed([payload.fields], shared_seed)[0]
         if out is not None:
             if tuple(out.shape) != tuple(payload.shape) or out.dtype != payload.dtype:
                 raise ValueError(f"{self.name}: out= must have shape {tuple(payload.shape)} and dtype "
@@ -368,19 +361,20 @@ class Quantizer:
         :meth:`decode`'s ``shared_seed``."""
         return RandomStream(resolve_seed(seed, None)).child(_SHARED_SEED_KEY).seed
 
-    def _given_seed(self, fields: Mapping[str, torch.Tensor],
-                    shared_seed: Optional[int]) -> Mapping[str, torch.Tensor]:
-        """``fields`` with their ``seed`` field replaced by a host copy of ``shared_seed``, after a
-        comparison on the field's device (refused or counted, as :meth:`decode` says); ``fields``
-        as they are without a ``shared_seed`` or a ``seed`` field."""
-        if shared_seed is None or "seed" not in fields:
-            return fields
+    def _given_seed(self, fields: Sequence[Mapping[str, torch.Tensor]],
+                    shared_seed: Optional[int]) -> list[Mapping[str, torch.Tensor]]:
+        """Each payload's ``fields`` with the ``seed`` field replaced by a host copy of
+        ``shared_seed``, after one comparison of them all on their device (refused or counted, as
+        :meth:`decode` says); the fields as they are without a ``shared_seed`` or a ``seed`` field."""
+        if shared_seed is None or not fields or "seed" not in fields[0]:
+            return list(fields)
         want = signed64(shared_seed)
-        got = fields["seed"].reshape(-1)
+        got = torch.cat([f["seed"].reshape(-1) for f in fields])
         refuse_invalid((got != want).sum(), lambda _: (
             f"{self.name}: the payload's seed field is not the shared seed it was sent under "
             f"({want}); corrupt payload"), "shared seeds")
-        return {**fields, "seed": torch.full((1,), want, dtype=torch.int64)}
+        host = torch.full((1,), want, dtype=torch.int64)
+        return [{**f, "seed": host} for f in fields]
 
     def _check_payload(self, payload: Payload) -> None:
         if not isinstance(payload, Payload):
@@ -425,7 +419,7 @@ class Quantizer:
         if out is None:  # never a view of a payload's field (the sum is made in place)
             out = torch.empty(first.shape, dtype=first.dtype, device=first.device)
         if first.dtype == torch.float32 and out.is_contiguous() and out.device == first.device:
-            if self._decode_mean_into([self._given_seed(p.fields, shared_seed) for p in payloads], first.numel,
+            if self._decode_mean_into(self._given_seed([p.fields for p in payloads], shared_seed), first.numel,
                                       out.view(-1)):
                 return out
         acc = self.decode(first, out=out, shared_seed=shared_seed)

@@ -35,12 +35,12 @@ from .. import kernels
 from ..kernels.checks import refuse_invalid
 from ..spec import BoolParam, FloatParam, IntParam, register
 from ..payload import Payload
-from .base import EncodeContext, Quantizer, signed64
+from ..random import U64 as _U64, signed64
+from .base import EncodeContext, Quantizer
 
 __all__ = ["TopK", "RandK", "shared_random_indices", "select_count", "topk_indices", "signed64", "seed_field"]
 
 _INT32_MAX = (1 << 31) - 1
-_U64 = (1 << 64) - 1
 _DEFAULT_RATIO = 0.01
 
 K_PARAM = IntParam("k", None, "number of coordinates kept (instead of ratio)", allow_none=True, lo=1)
