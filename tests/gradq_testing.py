@@ -132,3 +132,20 @@ def keep_warnings(logger: str) -> KeptWarnings:
     kept = KeptWarnings()
     logging.getLogger(logger).addHandler(kept)
     return kept
+
+
+def count_unseeded_decodes(patch=setattr) -> list:
+    """From now on (``patch``: how to replace the method; a test's ``monkeypatch.setattr`` undoes it),
+    count the decodes of payloads with a ``seed`` field that are not given the shared seed they were
+    sent under (each reads the field on the host, a wait on a GPU): ``[count]``."""
+    from gradq.quantizers.base import Quantizer
+
+    count = [0]
+    real = Quantizer._given_seed
+
+    def counting(self, fields, shared_seed):
+        count[0] += shared_seed is None and any("seed" in f for f in fields)   # (a decode, or a mean)
+        return real(self, fields, shared_seed)
+
+    patch(Quantizer, "_given_seed", counting)
+    return count

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import gradq
 from gradq.fsdp import GradqReduceScatter, is_fsdp2
 from gradq.netem import EmulatedNetwork, can_emulate, launch
-from gradq_testing import KeptWarnings, init_gloo, keep_warnings, spawn_ranks, teardown
+from gradq_testing import KeptWarnings, count_unseeded_decodes, init_gloo, keep_warnings, spawn_ranks, teardown
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -100,9 +100,27 @@ def _case_direct(rank: int, world: int, tmp: str) -> dict:
     want.div_(world)
     summed = torch.empty(S)
     comm(summed, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.PREMUL_SUM(0.5))
+    # Rand-K: every sender's payload for this block carries the same shared seed, which the owner
+    # derives and decodes with (AVG: one mean; SUM: decodes one by one) instead of reading the fields
+    unseeded = count_unseeded_decodes()
+    rk = GradqReduceScatter("randk:ratio=0.25", seed=9)
+    r = rk.quantizer
+    rk_mean, rk_sum = torch.empty(S), torch.empty(S)
+    rk(rk_mean, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+    rk(rk_sum, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    rk_unseeded = unseeded[0]   # (before the recomputation's plain decodes, which count)
+    rk_want = [torch.zeros(S), torch.zeros(S)]
+    for call, acc in enumerate(rk_want):
+        tag = f"rs{call}:{rank}"
+        for i in range(world):
+            acc.add_(r.decode(r.encode(inputs[i][rank * S:(rank + 1) * S], seed=derive_seed(9, i, tag),
+                                       shared_seed=derive_seed(9, None, tag))))
+    rk_want[0].div_(world)
     return {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
             "expected": (world - 1) * (q.expected_nbytes(S) + 4 + 4), "calls": comm.calls,
-            "steps": comm.totals["steps"], "premul_close": float((summed - 0.5 * world * want).abs().max()) < 0.5}
+            "steps": comm.totals["steps"], "premul_close": float((summed - 0.5 * world * want).abs().max()) < 0.5,
+            "randk_exact": [bool(torch.equal(rk_mean, rk_want[0])), bool(torch.equal(rk_sum, rk_want[1]))],
+            "randk_unseeded": [rk_unseeded, unseeded[0] - rk_unseeded]}
 
 
 def _case_policy(rank: int, world: int, tmp: str) -> dict:
@@ -292,25 +310,29 @@ def _case_world4(rank: int, world: int, tmp: str) -> dict:
     inputs = [torch.randn(world * S, generator=torch.Generator().manual_seed(7 + i)) for i in range(world)]
     blocks = [x.reshape(world, S) for x in inputs]
     out = {}
-    for name, kw in {"flat": {}, "hier": {"intra_node": "fp32", "ranks_per_node": L}}.items():
-        comm = GradqReduceScatter("qsgd:bits=4,bucket=50", seed=4, **kw)
-        q = comm.quantizer
-        res = torch.empty(S)
-        comm(res, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
-        want = torch.zeros(S)
-        if name == "flat":
-            for i in range(world):
-                want.add_(q.decode(q.encode(blocks[i][rank], seed=derive_seed(4, i, f"rs0:{rank}"))))
-        else:   # node n's sum of this block, encoded by the rank of node n with this rank's local index
-            for n in range(world // L):
-                node_sum = blocks[n * L][rank] + blocks[n * L + 1][rank]
-                sender = n * L + rank % L
-                want.add_(q.decode(q.encode(node_sum, seed=derive_seed(4, sender, f"rs0:{rank}"))))
-        want.div_(world)
-        peers = world - 1 if name == "flat" else world // L - 1
-        out[name] = {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
-                     "expected": peers * (q.expected_nbytes(S) + 8),
-                     "intra": comm.last_stats["intra_node_bytes"]}
+    unseeded = count_unseeded_decodes()
+    tag = f"rs0:{rank}"
+    for spec, label in (("qsgd:bits=4,bucket=50", ""), ("randk:ratio=0.25", "randk_")):
+        for name, kw in {"flat": {}, "hier": {"intra_node": "fp32", "ranks_per_node": L}}.items():
+            comm = GradqReduceScatter(spec, seed=4, **kw)
+            q = comm.quantizer
+            res = torch.empty(S)
+            before = unseeded[0]
+            comm(res, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+            read = unseeded[0] - before
+            # sent to this rank: every rank's block (flat), or node n's sum of it from the rank of
+            # node n with this rank's local index (hier); Rand-K's under the one shared seed
+            sent = ([(i, blocks[i][rank]) for i in range(world)] if name == "flat" else
+                    [(n * L + rank % L, blocks[n * L][rank] + blocks[n * L + 1][rank]) for n in range(world // L)])
+            ss = derive_seed(4, None, tag) if q.needs_shared_seed else None
+            want = torch.zeros(S)
+            for sender, block in sent:
+                want.add_(q.decode(q.encode(block, seed=derive_seed(4, sender, tag), shared_seed=ss)))
+            want.div_(world)
+            peers = world - 1 if name == "flat" else world // L - 1
+            out[label + name] = {"exact": bool(torch.equal(res, want)), "bytes": comm.last_stats["bytes_sent"],
+                                 "expected": peers * (q.expected_nbytes(S) + 8),
+                                 "intra": comm.last_stats["intra_node_bytes"], "unseeded": read}
     # FSDP steps on the 2x2 layout: spec "none" matches stock FSDP2 up to the order of the float32
     # additions (node sums first); 4-bit steps run on
     _, stock, _ = _train(None, 3, rank)
@@ -406,6 +428,9 @@ def test_quantized_block_equals_single_process_recomputation_and_bytes(two_ranks
     assert out["exact"] and out["calls"] == 2 and out["steps"] == 2   # outside a backward each call is a step
     assert out["bytes"] == out["expected"]   # one packed payload, its flag and CRC to the other rank
     assert out["premul_close"]
+    # Rand-K's blocks decode under the shared seed the reduce-scatter derives, and none reads its
+    # field; the count is not blind: the recomputation's 2 x 2 plain decodes count
+    assert out["randk_exact"] == [True, True] and out["randk_unseeded"] == [0, 4]
 
 
 def test_policy_keeps_small_and_1d_parameters_in_float32(two_ranks):
@@ -496,9 +521,10 @@ def test_mismatched_specs_or_settings_fail_at_the_first_reduce_scatter(two_ranks
 
 def test_four_ranks_flat_and_two_by_two_hierarchical():
     out = _result(_spawn(["world4"], 4), "world4")
-    for name in ("flat", "hier"):
+    for name in ("flat", "hier", "randk_flat", "randk_hier"):
         assert out[name]["exact"], name
         assert out[name]["bytes"] == out[name]["expected"], name   # hier: one payload to the other node
+        assert out[name]["unseeded"] == 0, name   # Rand-K: decoded under the shared seed, no field read
     assert out["flat"]["intra"] == 0
     assert out["hier"]["intra"] == (2 - 1) * (2 * 200 + 1) * 4   # float32 ring reduce-scatter inside the node
     h = out["hier_train"]

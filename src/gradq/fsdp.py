@@ -86,7 +86,7 @@ import torch.distributed as dist
 from .errors import NonFiniteError, PayloadError
 from .factory import build
 from .fsdp_layout import Layout, Plan, read_segments, screen
-from .fsdp_wire import decode_sum, encode_rows
+from .fsdp_wire import decode_sum, encode_rows, shared_seeds
 from .quantizers.base import Quantizer
 from .transforms import ErrorFeedback
 
@@ -365,7 +365,8 @@ class GradqReduceScatter:
         with phase(info, "decode"):
             total, bad_total = decode_sum(self.quantizer, recv, recv_sizes, plan, rows.dtype, rows.device, key,
                                           world if kind == "avg" else None, factor, checksum=self.checksum,
-                                          info=damage)
+                                          info=damage, seeds=shared_seeds(self.quantizer, self.seed, self.calls,
+                                                                          rank, len(plan.parts)))
             if defer:
                 total = torch.where(bad_total > 0, torch.zeros((), device=total.device), total)
             elif int(bad_total):

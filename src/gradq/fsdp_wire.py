@@ -19,10 +19,23 @@ from .errors import NonFiniteError, PayloadError
 from .fsdp_layout import Plan, screen
 from .quantizers.base import Quantizer
 
-__all__ = ["encode_rows", "decode_sum", "FLAG"]
+__all__ = ["encode_rows", "decode_sum", "shared_seeds", "FLAG"]
 
 #: bytes per payload carrying the sender's count of non-finite values (int32)
 FLAG = 4
+
+
+def _part_keys(call: int, owner: int, n_parts: int) -> list[str]:
+    """The keys the seeds of call ``call``'s payloads for ``owners`` block derive from, one a part."""
+    tag = f"rs{call}:{owner}"
+    return [tag] if n_parts == 1 else [f"{tag}:{i}" for i in range(n_parts)]
+
+
+def shared_seeds(q: Quantizer, seed: int, call: int, owner: int, n_parts: int) -> list[Optional[int]]:
+    """The shared seeds of call ``call``'s payloads for ``owner``'s block, one a part: common to
+    every sender, so that the owner decodes with them instead of reading each payload's seed field
+    (a host wait on a GPU). ``None`` for schemes without ``needs_shared_seed``."""
+    return [derive_seed(seed, None, pk) if q.needs_shared_seed else None for pk in _part_keys(call, owner, n_parts)]
 
 
 def encode_rows(q: Quantizer, rows: torch.Tensor, plan: Plan, owners: list[int], rank: int, key: str, bad: Any, *,
@@ -61,13 +74,11 @@ def encode_rows(q: Quantizer, rows: torch.Tensor, plan: Plan, owners: list[int],
         flag = torch.tensor([min(int(bad), 2 ** 31 - 1)], dtype=torch.int32).view(torch.uint8)
     bufs = []
     for j, owner in enumerate(owners):
-        tag = f"rs{call}:{owner}"
-        payloads = []
-        for i, (a, b) in enumerate(plan.parts):
-            pk = tag if len(plan.parts) == 1 else f"{tag}:{i}"
-            ss = derive_seed(seed, None, pk) if q.needs_shared_seed else None
-            payloads.append(q.encode(comp[j, a:b], seed=derive_seed(seed, rank, pk), shared_seed=ss,
-                                     name=f"{key}:{owner}:{i}", check_finite=not screened))
+        keys = _part_keys(call, owner, len(plan.parts))
+        seeds = shared_seeds(q, seed, call, owner, len(plan.parts))
+        payloads = [q.encode(comp[j, a:b], seed=derive_seed(seed, rank, pk), shared_seed=ss,
+                             name=f"{key}:{owner}:{i}", check_finite=not screened)
+                    for i, ((a, b), pk, ss) in enumerate(zip(plan.parts, keys, seeds))]
         buf = torch.empty(head + sum(p.nbytes for p in payloads) + raw + FLAG + trailer, dtype=torch.uint8,
                           device=rows.device)
         if variable:
@@ -87,11 +98,14 @@ def encode_rows(q: Quantizer, rows: torch.Tensor, plan: Plan, owners: list[int],
 
 def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Plan, dtype: torch.dtype,
                device: torch.device, key: str, divide: Optional[int], factor: float, *,
-               checksum: bool, info: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               checksum: bool, info: Optional[dict] = None,
+               seeds: Optional[list[Optional[int]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode the received payloads and reduce them, summed in rank order: divided by ``divide``
     (AVG), else times ``factor``. Returns ``(result, non-finite count over the senders)`` (the count
     a device tensor). ``dtype``: the full-precision values' (FSDP's reduce dtype). The mean of the
     compressed values is one fused pass (``decode_mean``) when every rank's payload is here.
+    ``seeds``: the parts' shared seeds (:func:`shared_seeds` for this rank's block), which the
+    decodes use and compare with the payloads' seed fields instead of reading them.
 
     With ``info`` nothing raises on a payload this rank received damaged: one that failed its
     checksum is counted in ``info["damaged"]``, and one that does not parse or decode (an entropy-coded
@@ -138,30 +152,32 @@ def decode_sum(q: Quantizer, recv: torch.Tensor, recv_sizes: list[int], plan: Pl
 
     if len(flags) < len(recv_sizes):   # nothing of a damaged payload is decoded
         return zeros()
+    seeds = seeds if seeds is not None else [None] * len(plan.parts)
     if info is None:
-        return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor)
+        return _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor, seeds)
     with refused_later(info):   # (and a stream that does not read, such as an Elias stream's own CRC)
-        return decoded_or_zeros(info, lambda: _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor),
+        return decoded_or_zeros(info, lambda: _reduce(q, parts, raws, flags, plan, dtype, device, divide, factor,
+                                                      seeds),
                                 zeros, f"the payloads of module {key!r}")
 
 
 def _reduce(q: Quantizer, parts: list[list[Any]], raws: list[torch.Tensor], flags: list[torch.Tensor], plan: Plan,
-            dtype: torch.dtype, device: torch.device, divide: Optional[int],
-            factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype: torch.dtype, device: torch.device, divide: Optional[int], factor: float,
+            seeds: list[Optional[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_sum`'s reduction of the parsed payloads."""
     K = len(flags)
     total = torch.empty(plan.S, dtype=torch.float32, device=device)
     if plan.n_comp:
         one = len(plan.comp) == 1
         cv = total[plan.comp[0][0]:plan.comp[0][1]] if one else torch.empty(plan.n_comp, device=device)
-        for (a, b), pls in zip(plan.parts, parts):
+        for (a, b), pls, ss in zip(plan.parts, parts, seeds):
             if divide == K:   # ((d_0 + d_1) + …)/M in one pass, bit for bit the sum then the division
-                q.decode_mean(pls, out=cv[a:b])
+                q.decode_mean(pls, out=cv[a:b], shared_seed=ss)
                 continue
-            acc = q.decode(pls[0], out=cv[a:b])
+            acc = q.decode(pls[0], out=cv[a:b], shared_seed=ss)
             tmp = torch.empty(b - a, dtype=torch.float32, device=device)
             for p in pls[1:]:
-                acc.add_(q.decode(p, out=tmp))
+                acc.add_(q.decode(p, out=tmp, shared_seed=ss))
             if divide is not None:
                 acc.div_(divide)
             elif factor != 1.0:

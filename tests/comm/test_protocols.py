@@ -50,29 +50,12 @@ def _key(proto, spec, n, kw):
     return f"{proto}|{spec}|{n}|{sorted(kw.items())}"
 
 
-def _count_unseeded_decodes(patch=setattr) -> list:
-    """From now on (``patch``: how to replace the method; a test's ``monkeypatch.setattr`` undoes it),
-    count the decodes of payloads with a ``seed`` field that are not given the shared seed they were
-    sent under (each reads the field on the host, a wait on a GPU): ``[count]``."""
-    from gradq.quantizers.base import Quantizer
-
-    count = [0]
-    real = Quantizer._given_seed
-
-    def counting(self, fields, shared_seed):
-        count[0] += shared_seed is None and any("seed" in f for f in fields)   # (a decode, or a mean)
-        return real(self, fields, shared_seed)
-
-    patch(Quantizer, "_given_seed", counting)
-    return count
-
-
 def _child(rank: int, world: int, tmp: str) -> None:
     gradq_testing.init_gloo(tmp, rank, world)
     fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
            "allreduce": shared_scale_allreduce}
     res: dict = {}
-    unseeded = _count_unseeded_decodes()
+    unseeded = gradq_testing.count_unseeded_decodes()
     for proto, spec, n, kw in cases():
         info: dict = {}
         before = unseeded[0]
@@ -389,7 +372,7 @@ def test_protocols_decode_under_the_shared_seeds_they_chose(run, monkeypatch):
     keys = [_key(*c) for c in cases() if c[1].startswith("randk") and c[0] != "allreduce"]
     assert keys and all(out["unseeded|" + k] == 0 for out in outs for k in keys), [
         (k, out["unseeded|" + k]) for out in outs for k in keys]
-    unseeded = _count_unseeded_decodes(monkeypatch.setattr)
+    unseeded = gradq_testing.count_unseeded_decodes(monkeypatch.setattr)
     q = gradq.build("randk:ratio=0.25")
     q.decode(q.encode(grad(0, 100), seed=1))
     assert unseeded == [1]
