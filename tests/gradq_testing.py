@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Sequence
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def grid(*axes: Sequence, covering: Iterable[tuple]) -> list:
@@ -149,3 +150,16 @@ def count_unseeded_decodes(patch=setattr) -> list:
 
     patch(Quantizer, "_given_seed", counting)
     return count
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operators that bring a value to the host (each a wait for a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("_local_scalar_dense", "is_nonzero", "equal"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))

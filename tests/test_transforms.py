@@ -170,7 +170,8 @@ def test_non_finite_input_on_the_summable_path(entry, bad_value):
 
 
 @pytest.mark.parametrize("spec", ["ef(maxnorm:bits=4)", "ef(maxnorm:bits=2,bucket=64)", "ef(maxnorm:bits=8)",
-                                  "ef(terngrad)", "ef(randk-maxnorm:ratio=0.3,bits=4,rescale=1)"])
+                                  "ef(terngrad)", "ef(randk-maxnorm:ratio=0.3,bits=4,rescale=1)",
+                                  "ef(multiscale:bucket=512)", "ef(randk-multiscale:ratio=0.5)"])
 def test_fields_and_codes_give_the_same_codes_and_residuals(spec):
     """The integer all-reduce's fast path under error feedback (encode_fields, the inner's fused
     kernels) gives the codes and residuals of encode_codes, bit for bit, step after step (the
@@ -194,7 +195,7 @@ def test_fields_and_codes_give_the_same_codes_and_residuals(spec):
 
 
 def test_fields_are_none_and_the_residual_untouched_without_a_fields_path():
-    ef = gradq.build("ef(randk-multiscale:ratio=0.5)")   # (no fields path)
+    ef = gradq.build("ef(fp16)")   # (a cast: no integer codes, so no fields path)
     x = torch.randn(100)
     shared = {k: s.value for k, s in ef.shared_stats(x, shared_seed=3).items()}
     assert ef.encode_fields(x, shared=shared, seed=0, shared_seed=3, name="w") is None

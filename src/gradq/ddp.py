@@ -402,8 +402,7 @@ class GradqState:
         per_value, per_call = max_over_ranks(list(measure_codec(q, device)), self.process_group, device)
         if protocol == "allreduce":
             mc = int(getattr(q, "max_code", 127))
-            fields = mc <= 127 and not q.needs_shared_seed
-            bits = 8.0 * summed_itemsize(world, mc, fields)
+            bits = 8.0 * summed_itemsize(world, mc, bool(getattr(q, "has_fields", False)))
         else:
             nb = q.expected_nbytes(1 << 20)
             bits = 8.0 * nb / (1 << 20) if nb is not None else 8.0

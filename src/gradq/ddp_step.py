@@ -361,7 +361,8 @@ class _Step:
         outs = shared_scale_allreduce_many([v for _, v in parts], state.quantizer, group=state.process_group,
                                            seeds=[derive_seed(step_seed, None, n) for n, _ in parts],
                                            names=[n for n, _ in parts], info=info, extra=extra,
-                                           check_finite=False)   # (screened by _check_finite)
+                                           check_finite=False,   # (screened by _check_finite)
+                                           defer_damage=True)    # (corrupt codes: refused at the step's end)
         for (_, v), o in zip(parts, outs):
             v.copy_(o.view_as(v))
         if extra is not None:

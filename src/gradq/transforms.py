@@ -159,6 +159,11 @@ class ErrorFeedback(Quantizer):
     def max_code(self) -> Any:
         return self.inner.max_code  # type: ignore[attr-defined]
 
+    @property
+    def has_fields(self) -> bool:
+        """Whether :meth:`encode_fields` gives fields: where the inner scheme has them."""
+        return bool(getattr(self.inner, "has_fields", False))
+
     def field_layout(self, numel: int) -> Optional[dict[str, tuple[torch.dtype, int]]]:
         return self.inner.field_layout(numel)
 

@@ -158,6 +158,31 @@ def _child(rank: int, world: int, tmp: str) -> None:
                 res[label] = str(e)
     finally:
         allgather_mod.all_gather_bytes = gather
+    # a damaged exchange of MultiScale's statistics: one reduced scale index names no scale (255), on
+    # every rank alike. The decode of the summed fields finds it: the protocol alone raises on every
+    # rank; with defer_damage (the hook) it is counted in info["invalid"] and nothing raises
+    from gradq.comm import allreduce as allreduce_mod
+    merged = allreduce_mod._merged_reduce
+
+    def bad_index(items, group, what):
+        got, sent = merged(items, group, what)
+        for key in got:
+            if isinstance(key, tuple) and key[1] == "scale_index":
+                got[key] = got[key].clone()
+                got[key][3] = 255
+        return got, sent
+    allreduce_mod._merged_reduce = bad_index
+    try:
+        for label, defer in (("ms_index|alone", False), ("ms_index|deferred", True)):
+            info = {}
+            try:
+                out = shared_scale_allreduce(grad(rank, 400), gradq.build("multiscale"), seed=SEED, info=info,
+                                             defer_damage=defer)
+                res[label] = {"invalid": int(info.get("invalid", 0)), "finite": bool(torch.isfinite(out).all())}
+            except gradq.PayloadError as e:
+                res[label] = str(e)
+    finally:
+        allreduce_mod._merged_reduce = merged
     torch.save(res, f"{tmp}/out{rank}.pt")
     gradq_testing.teardown()
 
@@ -259,6 +284,10 @@ def test_codes_no_encode_writes_are_refused_after_the_last_collective(run):
             assert err is not None and "arrived corrupt" in err and "refused on every rank" in err, (agreed, r, err)
         if r == 1:   # the rank that decoded them names the payloads that did not decode
             assert "payload from rank 0" in outs[r]["invalid|header"], outs[r]["invalid|header"]
+        # the shared-scale all-reduce: a summed MultiScale index of no scale, on every rank
+        err = outs[r]["ms_index|alone"]
+        assert isinstance(err, str) and "arrived corrupt" in err, err
+        assert outs[r]["ms_index|deferred"] == {"invalid": 1, "finite": True}, outs[r]["ms_index|deferred"]
 
 
 def test_sum_over_ranks_and_byte_gather(run):

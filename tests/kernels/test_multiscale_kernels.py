@@ -66,6 +66,12 @@ def test_errors():
     idx = R.multiscale_indices(x, sc, (1, 31), None)
     with pytest.raises(ValueError, match="MIN over workers"):
         N.multiscale_encode(x, sc, torch.ones_like(idx), (1, 31), None, 2, 1, 0)
+    with pytest.raises(ValueError, match="MIN over workers"):
+        R.multiscale_encode(x, sc, torch.ones_like(idx), (1, 31), None, 2, 1, 0)
+    # unchecked (a caller that made the MIN over workers itself): no error, the reference's bytes
+    got = N.multiscale_encode(x, sc, torch.ones_like(idx), (1, 31), None, 2, 1, 0, check=False)
+    want = R.multiscale_encode(x, sc, torch.ones_like(idx), (1, 31), None, 2, 1, 0, check=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     bad = torch.full((25,), 0xFF, dtype=torch.uint8)  # 2-bit indices of 3 = out of 3 scales
     with pytest.raises(PayloadError, match="corrupt scale index"):
         N.multiscale_decode(torch.zeros(25, dtype=torch.uint8), bad, sc, (1, 3, 15), None, 2, 2, 100)

@@ -544,8 +544,13 @@ def test_multiscale_primitives(n, bucket):
         assert same(T.multiscale_decode(*ref, sc, levels, bucket, w, iw, n),
                     R.multiscale_decode(*ref, sc, levels, bucket, w, iw, n))
         if n > 1 and len(levels) > 1:
+            high = torch.full_like(idx, len(levels) - 1)
             with pytest.raises(ValueError, match="MIN over workers"):
-                T.multiscale_encode(x, sc, torch.full_like(idx, len(levels) - 1), levels, bucket, w, iw, 0)
+                T.multiscale_encode(x, sc, high, levels, bucket, w, iw, 0)
+            # unchecked (a caller that made the MIN itself): the reference's saturated codes
+            got = T.multiscale_encode(x, sc, high, levels, bucket, w, iw, RandomStream(3), check=False)
+            want = R.multiscale_encode(x, sc, high, levels, bucket, w, iw, RandomStream(3), check=False)
+            assert same(got[0], want[0]) and same(got[1], want[1])
         if len(levels) == 3:           # index 3 names no scale: in a whole program (n = 700) and in the last
             for pos in {min(1, n - 1), n - 1}:
                 bad = ref[1].clone()
@@ -797,17 +802,35 @@ def test_non_finite_input_raises_as_before(spec, triton_backend):
         gradq.build(spec).encode(x, seed=0)
 
 
+def _summable_encode(q, x: torch.Tensor, **kw) -> torch.Tensor:
+    """As the all-reduce protocol encodes: the fields where the scheme has them, else the codes."""
+    fields = q.encode_fields(x, seed=1, shared_seed=11, **kw)
+    return fields if fields is not None else q.encode_codes(x, seed=1, shared_seed=11, **kw)
+
+
+def _larger_scales(stats) -> dict:
+    """Shared statistics as a reduction over workers could make them: larger scales (MAX), the same
+    MultiScale indices (MIN, under the smaller scales)."""
+    return {k: s.value * 1.5 if k == "scale" else s.value.clone() for k, s in stats.items()}
+
+
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-def test_summable_fields_match(triton_backend):
-    q = gradq.build("maxnorm:bits=4,bucket=64")
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "multiscale:bucket=64", "multiscale:bits=3+5+8",
+                                  "randk-multiscale:ratio=0.3"])
+def test_summable_fields_match(spec, triton_backend):
+    """The all-reduce's fields (own statistics, and shared ones of a reduction: larger scales) and
+    the average from their sum: the torch reference's, bit for bit."""
+    q = gradq.build(spec)
     x = data(500, 6)
-    shared = {"scale": q.shared_stats(x)["scale"].value}
-    fields = q.encode_fields(x, seed=3)
-    total = (fields.to(torch.int32) * 2).to(torch.uint8)   # two workers with the same fields
-    avg = q.decode_field_sum(total, shared=shared, count=2, like=x)
+    stats = q.shared_stats(x, shared_seed=11)
+    shared = _larger_scales(stats)
+    fields = [q.encode_fields(x, seed=3, shared_seed=11), q.encode_fields(x, seed=3, shared=shared, shared_seed=11)]
+    total = (fields[1].to(torch.int32) * 2).to(torch.uint8)   # two workers with the same fields
+    avg = q.decode_field_sum(total, shared=shared, count=2, like=x, shared_seed=11)
     kernels.set_backend("torch")
-    assert same(fields, q.encode_fields(x, seed=3))
-    assert same(avg, q.decode_field_sum(total, shared=shared, count=2, like=x))
+    assert same(fields[0], q.encode_fields(x, seed=3, shared_seed=11))
+    assert same(fields[1], q.encode_fields(x, seed=3, shared=shared, shared_seed=11))
+    assert same(avg, q.decode_field_sum(total, shared=shared, count=2, like=x, shared_seed=11))
 
 
 def test_backend_choice():
@@ -962,25 +985,53 @@ def test_gpu_unchecked_encode_never_waits_for_the_device(spec):
     assert got.same_bytes(want)
 
 
+#: the schemes of the shared-scale all-reduce, by their encodes' statistics
+ALLREDUCE_SPECS = ["maxnorm:bits=4", "maxnorm:bits=2,bucket=4096", "terngrad", "ef(maxnorm:bits=4)", "multiscale",
+                   "multiscale:bucket=512,norm=l2", "randk-multiscale:ratio=0.01", "ef(multiscale)"]
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", ["multiscale", "randk-multiscale:ratio=0.25", "terngrad"])
+def test_shared_scale_encode_reads_nothing_on_the_host(spec, triton_backend):
+    """The all-reduce protocol's encode on the Triton backend (statistics, then fields or codes under
+    the reduced ones with ``own=`` the statistics they were reduced from, unchecked): no host read
+    (on a GPU, a wait for the device), and the bytes of the checked call without ``own=``.
+    MultiScale's encode under shared indices refuses one above the worker's own with a host read;
+    with ``own=`` the caller made the MIN over workers itself, so it is skipped."""
+    from gradq_testing import HostReads
+
+    x = gpu_input("gradient-like", 3001, 2)
+    q = gradq.build(spec)
+    stats = q.shared_stats(x, shared_seed=11)
+    shared = _larger_scales(stats)
+    with HostReads() as checked:
+        want = _summable_encode(q, x, shared=shared)
+    q = gradq.build(spec)
+    with HostReads() as given:
+        got = _summable_encode(q, x, shared=shared, check_finite=False,
+                               own=q.shared_stats(x, shared_seed=11, check_finite=False))
+    assert torch.equal(got, want)
+    assert checked.reads >= 1 and given.reads == 0, (checked.reads, given.reads)
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("spec", ["maxnorm:bits=4", "maxnorm:bits=2,bucket=4096", "terngrad", "ef(maxnorm:bits=4)"])
+@pytest.mark.parametrize("spec", ALLREDUCE_SPECS)
 def test_gpu_shared_scale_encode_never_waits_for_the_device(spec):
-    """The all-reduce protocol's encode as the DDP hook makes it (statistics, then fields under the
-    reduced ones with ``own=`` the statistics they were reduced from, unchecked): no call that waits
-    for the GPU (torch's synchronization debug mode "error" raises on one), and the fields of the
-    checked path."""
+    """The all-reduce protocol's encode as the DDP hook makes it (statistics, then fields or codes
+    under the reduced ones with ``own=`` the statistics they were reduced from, unchecked): no call
+    that waits for the GPU (torch's synchronization debug mode "error" raises on one), and the
+    bytes of the checked path."""
     x = torch.randn(1 << 20, device="cuda")
     q = gradq.build(spec)
-    stats = q.shared_stats(x)
-    shared = {k: s.value * 1.5 for k, s in stats.items()}   # (a reduction over workers: larger scales)
-    want = q.encode_fields(x, shared=shared, seed=1)
+    shared = _larger_scales(q.shared_stats(x, shared_seed=11))
+    want = _summable_encode(q, x, shared=shared)
     q = gradq.build(spec)                                    # (a fresh one: error feedback's state moves on)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        own = q.shared_stats(x, check_finite=False)
-        got = q.encode_fields(x, shared=shared, seed=1, check_finite=False, own=own)
+        own = q.shared_stats(x, shared_seed=11, check_finite=False)
+        got = _summable_encode(q, x, shared=shared, check_finite=False, own=own)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)

@@ -5,11 +5,19 @@ import torch
 
 import gradq
 from gradq import kernels
+from gradq_testing import HostReads
 
 SPECS = ["maxnorm:bits=4", "maxnorm:bits=2,bucket=64", "maxnorm:bits=8,bucket=100", "terngrad",
          "terngrad:bucket=512,clip=none", "terngrad:clip=1.5,bucket=37", "randk-maxnorm:ratio=0.3,bits=4",
-         "randk-maxnorm:k=7,bits=2,norm=l2,rescale=1"]
+         "randk-maxnorm:k=7,bits=2,norm=l2,rescale=1", "multiscale", "multiscale:bits=3+5+8,bucket=64,norm=l2",
+         "randk-multiscale:ratio=0.3", "randk-multiscale:k=7,bits=3+6,rescale=1"]
 SEED = 11   # (the shared seed: the RandK variants select their coordinates from it; the others ignore it)
+
+
+def reduced(stats: list) -> dict:
+    """The workers' statistics reduced as the all-reduce protocol reduces them (MAX scales, MIN
+    MultiScale indices)."""
+    return {k: getattr(torch.stack([s[k].value for s in stats]), "a" + stats[0][k].op)(0) for k in stats[0]}
 
 
 def workers(n: int, m: int) -> list[torch.Tensor]:
@@ -24,7 +32,7 @@ def test_fields_are_the_codes_plus_s(spec, n):
     q = gradq.build(spec)
     xs = workers(n, 3)
     stats = [q.shared_stats(x, shared_seed=SEED) for x in xs]
-    shared = {k: torch.stack([s[k].value for s in stats]).amax(0) for k in stats[0]}
+    shared = reduced(stats)
     kept = q.num_selected(n) if hasattr(q, "num_selected") else n
     for r, x in enumerate(xs):
         f = q.encode_fields(x, shared=shared, seed=r, shared_seed=SEED)
@@ -44,7 +52,7 @@ def test_field_sum_decodes_to_the_mean(spec, m):
     q = gradq.build(spec)
     xs = workers(n, m)
     stats = [q.shared_stats(x, shared_seed=SEED) for x in xs]
-    shared = {k: torch.stack([s[k].value for s in stats]).amax(0) for k in stats[0]}
+    shared = reduced(stats)
     fields = [q.encode_fields(x, shared=shared, seed=r, shared_seed=SEED) for r, x in enumerate(xs)]
     codes = torch.stack([q.encode_codes(x, shared=shared, seed=r, shared_seed=SEED) for r, x in enumerate(xs)]).sum(0)
     exp = q.decode_codes(codes, shared=shared, count=m, like=xs[0], shared_seed=SEED)
@@ -57,64 +65,77 @@ def test_field_sum_decodes_to_the_mean(spec, m):
     torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6 * m)
 
 
-@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad:bucket=100"])
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad:bucket=100", "multiscale:bucket=64",
+                                  "randk-multiscale:ratio=0.5"])
 def test_every_backend_gives_the_same_fields(spec):
     """The fields come from gradq.kernels on every backend (the torch reference too), bit for bit;
-    GlobalRandK-MaxNorm has them (its sub-vector's), GlobalRandK-MultiScale none."""
+    the GlobalRandK variants have them (their sub-vector's)."""
     q = gradq.build(spec)
     x = workers(1000, 1)[0]
-    fast = q.encode_fields(x, seed=0)
+    fast = q.encode_fields(x, seed=0, shared_seed=SEED)
     was = kernels.get_backend()
     kernels.set_enabled(False)
     try:
-        ref = q.encode_fields(x, seed=0)
+        ref = q.encode_fields(x, seed=0, shared_seed=SEED)
     finally:
         kernels.set_backend(was)
     assert ref is not None and torch.equal(ref, fast)
     assert gradq.build("randk-maxnorm").encode_fields(torch.randn(100), seed=0, shared_seed=1).numel() == 1
-    assert gradq.build("randk-multiscale").encode_fields(torch.randn(100), seed=0, shared_seed=1) is None
+    assert gradq.build("randk-multiscale").encode_fields(torch.randn(100), seed=0, shared_seed=1).numel() == 1
 
 
-class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operators that bring a value to the host (each a wait for a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in ("_local_scalar_dense", "is_nonzero", "equal"):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
+#: the kernel each scheme's own statistics take a pass over the tensor with
+OWN_PASS = {"maxnorm:bits=4,bucket=64": "maxabs_scales", "terngrad:bucket=100": "terngrad_stats",
+            "ef(maxnorm:bits=4)": "maxabs_scales", "ef(terngrad)": "terngrad_stats",
+            "multiscale:bits=2+6,bucket=64": "maxabs_scales", "multiscale:bits=2+6,norm=l2": "l2_scales",
+            "randk-multiscale:ratio=0.25": "subset_norm", "ef(multiscale)": "maxabs_scales"}
 
 
-@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad:bucket=100", "ef(maxnorm:bits=4)",
-                                  "ef(terngrad)"])
+@pytest.mark.parametrize("spec", list(OWN_PASS))
 def test_own_statistics_are_neither_recomputed_nor_checked(spec, monkeypatch):
     """``own=`` (the all-reduce protocol's own ``shared_stats`` of the tensor): no check of the shared
     scale against them, which is a host read (on a GPU a wait), and no second pass for them: MaxNorm
-    does not compute its norms again, nor TernGrad its σ, clip bound and scales (the bound rides in
-    the statistics' ``aux``). Without ``own`` a shared scale below the worker's own is still refused;
-    ``own`` without ``shared`` is refused."""
+    and MultiScale do not compute their norms again (Rand-K-MultiScale those of its subset), nor
+    TernGrad its σ, clip bound and scales (the bound rides in the statistics' ``aux``). Without
+    ``own`` a shared scale below the worker's own is still refused; ``own`` without ``shared`` is
+    refused."""
     q = gradq.build(spec)
     xs = workers(5000, 2)
-    stats = [q.shared_stats(x, check_finite=False) for x in xs]
-    shared = {k: torch.stack([s[k].value for s in stats]).amax(0) for k in stats[0]}
+    kw = {"shared_seed": SEED} if q.needs_shared_seed else {}
+    stats = [q.shared_stats(x, check_finite=False, **kw) for x in xs]
+    shared = reduced(stats)
     passes = []
-    name = "terngrad_stats" if "terngrad" in spec else "maxabs_scales"
+    name = OWN_PASS[spec]
     real = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda *a: passes.append(1) or real(*a))
-    with _Reads() as without:
-        want = q.encode_fields(xs[0], shared=shared, seed=3, check_finite=False)
+
+    def encode(q, x=xs[0], **more):   # as the all-reduce protocol does: the fields where the scheme has them
+        fields = q.encode_fields(x, seed=3, check_finite=False, **kw, **more)
+        return fields if fields is not None else q.encode_codes(x, seed=3, check_finite=False, **kw, **more)
+
+    with HostReads() as without:
+        want = encode(q, shared=shared)
     calls, passes[:] = len(passes), []
     q = gradq.build(spec)   # (error feedback's state moved on: a fresh one, as the first was)
-    with _Reads() as given:
-        got = q.encode_fields(xs[0], shared=shared, seed=3, check_finite=False, own=stats[0])
+    with HostReads() as given:
+        got = encode(q, shared=shared, own=stats[0])
     assert torch.equal(got, want)
     assert without.reads >= 1 and given.reads == 0, (without.reads, given.reads)
     assert calls == 1 and not passes
-    low = {k: v / 2 for k, v in shared.items()}
+    low = {k: v / 2 if k == "scale" else v for k, v in shared.items()}
     with pytest.raises(ValueError, match="below this worker's own"):
-        q.encode_fields(xs[1], shared=low, seed=3)
+        encode(q, xs[1], shared=low)
     with pytest.raises(ValueError, match="pass both"):
-        q.encode_fields(xs[1], seed=3, own=stats[1])
+        encode(q, xs[1], own=stats[1])
+
+
+@pytest.mark.parametrize("spec", ["maxnorm", "terngrad", "multiscale", "randk-maxnorm", "randk-multiscale", "fp16",
+                                  "bf16", "none", "ef(multiscale)", "ef(fp16)", "maxnorm:bits=8"])
+def test_has_fields_says_whether_encode_fields_gives_them(spec):
+    """``has_fields`` (what the hook's and the performance model's byte counts use) is what
+    ``encode_fields`` does: fields for the integer schemes with a fused path, None for casts."""
+    q = gradq.build(spec)
+    x = workers(100, 1)[0]
+    stats = q.shared_stats(x, shared_seed=SEED)
+    fields = q.encode_fields(x, shared=reduced([stats]), seed=0, shared_seed=SEED)
+    assert q.has_fields == (fields is not None) and q.has_fields == (spec not in ("fp16", "bf16", "none", "ef(fp16)"))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantizers.base import Quantizer
-from ._util import check_inputs, one_round_fits, phase, reduce_segments
+from ._util import check_inputs, decoding, one_round_fits, phase, raise_if_damaged, reduce_segments
 
 __all__ = ["shared_scale_allreduce", "shared_scale_allreduce_many", "code_dtype", "reduce_dtype",
            "allreduce_bytes_per_worker"]
@@ -94,7 +94,8 @@ def allreduce_bytes_per_worker(numel: int, world_size: int, dtype: torch.dtype) 
 
 def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, seed: int,
                            shared_seed: Optional[int] = None, name: Optional[str] = None,
-                           info: Optional[dict] = None, verify: bool = True, check_finite: bool = True) -> torch.Tensor:
+                           info: Optional[dict] = None, verify: bool = True, check_finite: bool = True,
+                           defer_damage: bool = False) -> torch.Tensor:
     """Average over workers of the decoded gradients via an integer SUM all-reduce (module docstring).
 
     Args:
@@ -110,8 +111,13 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
         check_finite: ``False`` where the caller screened ``x`` for NaN/Inf itself (the DDP hook):
             the statistics and codes skip their own screen where the scheme allows it (see
             :meth:`gradq.Quantizer.encode`): one pass over ``x`` less each, and on a GPU a host read.
+        defer_damage: a sum whose decode finds codes no encode writes (MultiScale's scale index of
+            no scale) is counted in ``info["invalid"]`` and left to the caller to refuse (the DDP
+            hook, on every rank at the step's end), instead of raising :class:`gradq.PayloadError`
+            here; on a GPU that saves the decode's host read.
     Raises:
         TypeError: ``q`` is not summable (use :func:`allgather_mean` or :func:`scatter_allgather`).
+        PayloadError: the summed codes do not decode (a damaged exchange), unless ``defer_damage``.
     """
     from . import derive_seed
 
@@ -124,7 +130,7 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
     extra = [] if shared_seed is None else [int(shared_seed) & ((1 << 63) - 1)]
     check_inputs("shared_scale_allreduce", x, q, group, extra, verify=verify)
     return shared_scale_allreduce_many([x], q, group=group, seeds=[seed], shared_seeds=[shared_seed], names=[name],
-                                       info=info, check_finite=check_finite)[0]
+                                       info=info, check_finite=check_finite, defer_damage=defer_damage)[0]
 
 
 def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what: str) -> tuple[dict, int]:
@@ -142,7 +148,7 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                                 seeds: Sequence[int], shared_seeds: Optional[Sequence[Optional[int]]] = None,
                                 names: Optional[Sequence[Optional[str]]] = None,
                                 info: Optional[dict] = None, extra: Optional[torch.Tensor] = None,
-                                check_finite: bool = True) -> list[torch.Tensor]:
+                                check_finite: bool = True, defer_damage: bool = False) -> list[torch.Tensor]:
     """:func:`shared_scale_allreduce` of several tensors at once, each quantized on its own (layer-wise
     schemes keep one scale per tensor) with its own seed, name and shared seed, but with ONE exchange
     per wire dtype for all their shared statistics (whatever their reduction ops, while small; else one
@@ -152,8 +158,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
 
     ``extra``: a 1-D float32 vector to SUM over ranks along with the statistics (in their exchange:
     the hook's float32 tensors and its agreement values ride there instead of taking a round of their
-    own); its sum is left in ``info["extra_sum"]`` (``info`` is then required). ``check_finite``: as in
-    :func:`shared_scale_allreduce`."""
+    own); its sum is left in ``info["extra_sum"]`` (``info`` is then required). ``check_finite`` and
+    ``defer_damage``: as in :func:`shared_scale_allreduce`."""
     from . import derive_seed
 
     n = len(xs)
@@ -235,7 +241,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
             summed.update(got)
             sent += b
     outs = []
-    with phase(info, "decode"):
+    counts = {} if info is None else info   # (decodes that find codes no encode writes are counted here)
+    with decoding(counts):
         for i, x in enumerate(xs):
             if totals[i][1]:
                 outs.append(q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x,
@@ -245,4 +252,5 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                                            shared_seed=shared_seeds[i]))
     if info is not None:
         info.update(code_dtype=rule, wire_dtype=wire, bytes_sent=sent)
+    raise_if_damaged("shared_scale_allreduce", counts, defer_damage)
     return outs

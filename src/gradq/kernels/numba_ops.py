@@ -414,7 +414,7 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Op
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels,
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """As :func:`gradq.kernels.reference.multiscale_encode` (``index=None``: the kernel computes
     each value's own index, a chunk at a time)."""
     xv = _vec(x, "x", torch.float32)
@@ -430,7 +430,7 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[tor
         bad = _ms().encode(xv, _scales(scales, _nbuckets(n, d)), iv, d, _ms_levels(levels), width, index_width,
                            k1, k2, ctr0, 65536, codes.numpy(),
                            packed_index.numpy() if packed_index is not None else np.empty(0, np.uint8))
-        if bad:
+        if check and bad:
             raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
                              "coordinates; it must be the MIN over workers of the indices")
     return codes, packed_index

@@ -350,19 +350,20 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[i
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels: Sequence[int],
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(packed fields s_1 + c, packed indices or None)`` of ``x`` under the shared per-bucket
     ``scales`` and per-coordinate ``index`` (uint8, the MIN over workers): ``c = sgn(x)·min(floor(
     float32(s_idx)·|x|/w + u), s_1)``, ``u`` from ``rng`` (advanced by ``n``). A shared index above
-    this worker's own raises ValueError. ``index=None``: each value's own index
-    (:func:`multiscale_indices`), which the other backends compute as they encode."""
+    this worker's own raises ValueError (unless ``check=False``: its code saturates at ``s_1``).
+    ``index=None``: each value's own index (:func:`multiscale_indices`), which the other backends
+    compute as they encode."""
     v = x.detach().reshape(-1)
     n = v.numel()
     if index is None:
         index = multiscale_indices(v, scales, levels, bucket)
     r = _ms_ratios(bucket_view(v, bucket), scales.to(device=v.device, dtype=torch.float32)).reshape(-1)[:n]
     idx = index.reshape(-1).to(device=v.device, dtype=torch.int64)
-    if n and bool((idx > _ms_index_matrix(r, levels)).any()):
+    if check and n and bool((idx > _ms_index_matrix(r, levels)).any()):
         raise ValueError("multiscale: the shared scale_index exceeds this worker's own index for some "
                          "coordinates; it must be the MIN over workers of the indices")
     s1 = levels[0]

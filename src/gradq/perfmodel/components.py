@@ -218,7 +218,6 @@ def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **co
     if m:
         return Compressor(name=text, bits=float(m.group(1)), codec_source=source, **codec)
     from ..factory import build
-    from ..quantizers.summable import SummableQuantizer
 
     try:
         q = build(text)
@@ -226,8 +225,7 @@ def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **co
         raise PerfModelError(f"{e}; or write 'none' (fp32) or a width such as '4bit'") from None
     nbytes = _payload_nbytes(q, model.layer_sizes or (model.params,), text)
     mc = getattr(q, "max_code", None) if q.summable else None
-    has_fields = bool(q.summable) and mc is not None and mc <= 127 and not q.needs_shared_seed and \
-        type(q)._fields is not SummableQuantizer._fields
+    has_fields = bool(q.summable) and bool(getattr(q, "has_fields", False))
     if codec_times is not None and not given:
         measured = codec_times.lookup(text)
         if measured is None:

@@ -42,7 +42,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from .. import kernels
-from ..codecs.bitpack import packed_nbytes, unpack_bits
+from ..codecs.bitpack import packed_nbytes
 from ..errors import SpecError
 from ..kernels.reference import multiscale_dequantize
 from ..spec import BoolParam, IntParam, IntTupleParam, register
@@ -62,6 +62,14 @@ MS_BITS = IntTupleParam("bits", (2, 6), "increasing bit widths of the scales (s_
 def multiscale_levels(bits: Sequence[int]) -> tuple[int, ...]:
     """The scales ``s_j = 2^(b_j−1) − 1`` of increasing bit widths (increasing)."""
     return tuple(levels_from_bits(b) for b in bits)
+
+
+def _own_as_given(own: Mapping[str, SharedStat]) -> dict[str, SharedStat]:
+    """``own=`` (this worker's :meth:`shared_stats`: its norms and its indices as a tensor) as the
+    encode's own statistics, instead of a pass for the norms: the encode compares its own indices
+    with the shared ones by identity alone, and under the protocol's shared indices the kernels check
+    each value against those."""
+    return dict(own)
 
 
 @register("multiscale")
@@ -124,19 +132,29 @@ class MultiScale(SummableQuantizer):
         index = torch.zeros((), dtype=torch.uint8, device=v.device).expand(v.numel())
         return {"scale": SharedStat(self._norms(v), "max"), "scale_index": SharedStat(index, "min")}
 
-    def _fields_of(self, v: torch.Tensor, ctx: EncodeContext) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
+        return _own_as_given(own)
+
+    def _fields_of(self, v: torch.Tensor, ctx: EncodeContext,
+                   wide: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """``(codes, packed indices or None, scales)`` of the encode: the codes ``s_1 + c`` packed at
+        the payload's width, or with ``wide`` a byte a value and no indices (the all-reduce's fields;
+        the same randomness, so the same values)."""
         w = ctx.shared["scale"].to(torch.float32)
         self._check_scale(ctx, w)
         index = ctx.shared["scale_index"]
         if index is ctx.own["scale_index"].value:   # no shared indices: each value's own
             index = None
-        codes, packed = kernels.multiscale_encode(v, w, index, self.levels, self.bucket, self.width,
-                                                  self.index_width, ctx.rng)
+        # (trusted: the caller reduced the shared indices with this worker's own, so none is above it)
+        codes, packed = kernels.multiscale_encode(v, w, index, self.levels, self.bucket, 8 if wide else self.width,
+                                                  0 if wide else self.index_width, ctx.rng, check=not ctx.trusted)
         return codes, packed, w
 
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        return self._fields_of(v, ctx, wide=True)[0]
+
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
-        codes, _, _ = self._fields_of(v, ctx)
-        return unpack_bits(codes, self.width, v.numel()).to(torch.int32) - self.s1
+        return self._fields(v, ctx).to(torch.int32) - self.s1
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         codes, index, w = self._fields_of(v, ctx)
@@ -159,6 +177,13 @@ class MultiScale(SummableQuantizer):
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
         return multiscale_dequantize(codes, shared["scale"], shared["scale_index"], self.levels, self.bucket, numel)
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+        # Σ fields − M·s_1 = Σ codes: with every scale times M the decode's (Σf − M·s_1)/(M·s_idx)·w is
+        # the average, in one pass (the indices a byte each, as the protocol reduced them)
+        return kernels.multiscale_decode(total, shared["scale_index"], shared["scale"].to(torch.float32),
+                                         tuple(count * s for s in self.levels), self.bucket, 8, 8, numel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,6 +397,20 @@ class RandKMultiScale(_GlobalRandK):
         w = kernels.subset_norm(v, k, seed, self.norm, self._indices(n, seed, v.device))
         index = torch.zeros((), dtype=torch.uint8, device=v.device).expand(k)   # (a zero-stride stand-in)
         return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(index, "min")}
+
+    def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
+        return _own_as_given(own)
+
+    # the all-reduce's fields: MultiScale's of the selected sub-vector (a byte s_1 + c each), and
+    # their sum's average scattered
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+        return self.inner._fields(self._select(v, ctx.shared_seed), ctx)
+
+    def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
+                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+        seed = self._need_seed(shared_seed)
+        sub = self.inner._decode_field_sum(total, shared, count, self.num_selected(numel), None)
+        return self._scatter(sub, numel, seed)
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if ctx.shared["scale_index"] is not ctx.own["scale_index"].value:

@@ -91,7 +91,7 @@ class SummableQuantizer(Quantizer):
         sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
         ``2·M·max_code ≤ 255``, and :meth:`decode_field_sum` turns it into the average."""
         v = self._flatten(x, name, self._screens(x, check_finite))
-        if self.max_code is None or self.max_code > 127 or not self._has_fields:   # (casts: no integer codes)
+        if not self.has_fields:
             return None
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_fields needs shared_seed= (common to all workers)")
@@ -99,9 +99,11 @@ class SummableQuantizer(Quantizer):
         return self._fields(v, ctx)
 
     @property
-    def _has_fields(self) -> bool:
-        """Whether this scheme has a fields path (:meth:`_fields` overridden)."""
-        return type(self)._fields is not SummableQuantizer._fields
+    def has_fields(self) -> bool:
+        """Whether :meth:`encode_fields` gives fields rather than None: integer codes of at most
+        127 (casts have none) and a fused fields path (:meth:`_fields` overridden)."""
+        mc = self.max_code
+        return mc is not None and mc <= 127 and type(self)._fields is not SummableQuantizer._fields
 
     def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,
                          like: torch.Tensor, shared_seed: Optional[int] = None) -> torch.Tensor:
