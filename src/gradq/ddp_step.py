@@ -358,13 +358,13 @@ class _Step:
             exact, _ = sum_over_ranks(torch.cat([v.detach().reshape(-1) for _, v in parts]).float(),
                                       state.process_group, what="the exact all-reduce for the error measurement")
             exact.div_(self.world)
-        outs = shared_scale_allreduce_many([v for _, v in parts], state.quantizer, group=state.process_group,
-                                           seeds=[derive_seed(step_seed, None, n) for n, _ in parts],
-                                           names=[n for n, _ in parts], info=info, extra=extra,
-                                           check_finite=False,   # (screened by _check_finite)
-                                           defer_damage=True)    # (corrupt codes: refused at the step's end)
-        for (_, v), o in zip(parts, outs):
-            v.copy_(o.view_as(v))
+        # each average decoded straight into its gradient's view of the bucket (read by the encode by then)
+        shared_scale_allreduce_many([v for _, v in parts], state.quantizer, group=state.process_group,
+                                    seeds=[derive_seed(step_seed, None, n) for n, _ in parts],
+                                    names=[n for n, _ in parts], info=info, extra=extra,
+                                    check_finite=False,   # (screened by _check_finite)
+                                    defer_damage=True,    # (corrupt codes: refused at the step's end)
+                                    outs=[v for _, v in parts])
         if extra is not None:
             self.agreed = self._spread(fp32, info["extra_sum"])
         self.fig.quantized_coords += sum(v.numel() for _, v in parts)

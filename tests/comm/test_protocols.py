@@ -99,12 +99,16 @@ def _child(rank: int, world: int, tmp: str) -> None:
     for n in (10, SMALL_SUM_BYTES // world + 5):
         mine = torch.full((n + rank,), rank + 1, dtype=torch.uint8)
         res[f"gather_bytes|{n}"] = [b.clone() for b in all_gather_bytes(mine, None, None)]
-    for spec in ("terngrad", "maxnorm:bits=2", "multiscale"):  # several tensors in one exchange per kind
+    for spec in ("terngrad", "maxnorm:bits=2", "multiscale", "fp16"):  # several tensors in one exchange per kind
         q = gradq.build(spec)
         xs = [grad(rank, 300), grad(rank, 1001), grad(rank, 5)]
         res[f"many|{spec}"] = (shared_scale_allreduce_many(xs, q, seeds=[1, 2, 3], names=["a", "b", "c"]),
                                [shared_scale_allreduce(x, q, seed=sd, name=nm, verify=False)
                                 for x, sd, nm in zip(xs, [1, 2, 3], ["a", "b", "c"])])
+        # decoded into the inputs themselves (the hook's bucket views; a 2-D one too), and one not
+        ins = [xs[0].clone(), xs[1].clone().reshape(7, 143), xs[2].clone()]
+        got = shared_scale_allreduce_many(ins, q, seeds=[1, 2, 3], names=["a", "b", "c"], outs=[ins[0], ins[1], None])
+        res[f"outs|{spec}"] = ([g.reshape(-1) for g in got], [t.data_ptr() for t in ins], [g.data_ptr() for g in got])
     ts = [grad(rank, 300), grad(rank, 77).reshape(7, 11)]
     for spec in API_SPECS:  # the hook-free entry point against the protocol it picks
         copies = [t.clone() for t in ts]
@@ -373,18 +377,24 @@ def test_extra_vector_rides_with_the_statistics(run):
 
 
 def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
+    """Also with ``outs=``: the averages written into the tensors given (the fields' decode straight
+    there; a cast's copied)."""
     world, outs = run
-    for spec in ("terngrad", "maxnorm:bits=2", "multiscale"):
+    for spec in ("terngrad", "maxnorm:bits=2", "multiscale", "fp16"):
         for r in range(world):
             together, apart = outs[r][f"many|{spec}"]
             assert all(torch.equal(a, b) for a, b in zip(together, apart)), (spec, r)
+        for r in range(world):   # outs=: the same averages, in the tensors given (fp16: copied there)
+            got, into, at = outs[r][f"outs|{spec}"]
+            assert all(torch.equal(a, b) for a, b in zip(got, outs[r][f"many|{spec}"][0])), (spec, r)
+            assert at[:2] == into[:2] and at[2] != into[2], (spec, r)
 
 
 def test_all_ranks_identical(run):
     world, outs = run
     for key, val in outs[0].items():
-        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|", "segments|", "extra|",
-                           "invalid|")) or key == "mismatch":
+        if key.startswith(("info|", "api", "sum_", "max_", "min_", "gather_bytes", "many|", "outs|", "segments|",
+                           "extra|", "invalid|")) or key == "mismatch":
             continue  # per-rank figures; the allreduce_ entries are compared in their own test
         for r in range(1, world):
             if isinstance(val, torch.Tensor):

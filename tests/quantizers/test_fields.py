@@ -139,3 +139,45 @@ def test_has_fields_says_whether_encode_fields_gives_them(spec):
     stats = q.shared_stats(x, shared_seed=SEED)
     fields = q.encode_fields(x, shared=reduced([stats]), seed=0, shared_seed=SEED)
     assert q.has_fields == (fields is not None) and q.has_fields == (spec not in ("fp16", "bf16", "none", "ef(fp16)"))
+
+
+class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest storage (bytes) an operator made: an output that is no view of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(res):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return res
+
+
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad:bucket=512", "multiscale",
+                                  "randk-maxnorm:ratio=0.05", "randk-multiscale:ratio=0.05"])
+def test_field_sum_decodes_into_out_without_a_tensor_of_its_size(spec):
+    """``decode_field_sum(out=)``: the mean of the fields of :func:`test_field_sum_decodes_to_the_mean`
+    written into ``out`` (a 2-D float32 tensor) and returned shaped like ``like``, without any
+    tensor a tenth of its size (a fresh one costs its page faults on a CPU); an ``out`` it cannot
+    write into is refused."""
+    n, m = 30_000, 3
+    q = gradq.build(spec)
+    xs = workers(n, m)
+    stats = [q.shared_stats(x, shared_seed=SEED) for x in xs]
+    shared = reduced(stats)
+    total = torch.stack([q.encode_fields(x, shared=shared, seed=r, shared_seed=SEED)
+                         for r, x in enumerate(xs)]).sum(0).to(torch.uint8)
+    want = q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED)
+    out = torch.full((100, 300), float("nan"))
+    with _NewStorage() as made:
+        got = q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED, out=out)
+    assert got.shape == xs[0].shape and got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert made.largest < 4 * n // 10, made.largest
+    for bad in (torch.empty(n, dtype=torch.float64), torch.empty(n + 1), torch.empty(2 * n)[::2]):
+        with pytest.raises(ValueError, match="out= must be"):
+            q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED, out=bad)

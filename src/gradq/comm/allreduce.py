@@ -148,7 +148,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                                 seeds: Sequence[int], shared_seeds: Optional[Sequence[Optional[int]]] = None,
                                 names: Optional[Sequence[Optional[str]]] = None,
                                 info: Optional[dict] = None, extra: Optional[torch.Tensor] = None,
-                                check_finite: bool = True, defer_damage: bool = False) -> list[torch.Tensor]:
+                                check_finite: bool = True, defer_damage: bool = False,
+                                outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
     """:func:`shared_scale_allreduce` of several tensors at once, each quantized on its own (layer-wise
     schemes keep one scale per tensor) with its own seed, name and shared seed, but with ONE exchange
     per wire dtype for all their shared statistics (whatever their reduction ops, while small; else one
@@ -159,7 +160,12 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     ``extra``: a 1-D float32 vector to SUM over ranks along with the statistics (in their exchange:
     the hook's float32 tensors and its agreement values ride there instead of taking a round of their
     own); its sum is left in ``info["extra_sum"]`` (``info`` is then required). ``check_finite`` and
-    ``defer_damage``: as in :func:`shared_scale_allreduce`."""
+    ``defer_damage``: as in :func:`shared_scale_allreduce`.
+
+    ``outs``: where to write each average (``None`` entries: a new tensor), for instance ``xs``
+    themselves, which the encodes have read by then (the DDP hook's bucket views). Schemes with a
+    fields path decode the sum straight into a float32 one (no input-sized allocation, whose page
+    faults cost a CPU about four times the decode); the others copy their result there."""
     from . import derive_seed
 
     n = len(xs)
@@ -240,17 +246,26 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                                     "the integer all-reduce of the codes")
             summed.update(got)
             sent += b
-    outs = []
+    res = []
+    into = list(outs) if outs is not None else [None] * n
+    if len(into) != n:
+        raise ValueError(f"outs must hold one entry a tensor ({n}), got {len(into)}")
     counts = {} if info is None else info   # (decodes that find codes no encode writes are counted here)
     with decoding(counts):
         for i, x in enumerate(xs):
+            o = into[i]
+            direct = o is not None and totals[i][1] and o.dtype == torch.float32 == x.dtype and o.is_contiguous() \
+                and o.numel() == x.numel() and o.device == x.device
             if totals[i][1]:
-                outs.append(q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x,
-                                               shared_seed=shared_seeds[i]))
+                avg = q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x,
+                                         shared_seed=shared_seeds[i], out=o if direct else None)
             else:
-                outs.append(q.decode_codes(summed[i], shared=reduced[i], count=world, like=x,  # type: ignore[attr-defined]
-                                           shared_seed=shared_seeds[i]))
+                avg = q.decode_codes(summed[i], shared=reduced[i], count=world, like=x,  # type: ignore[attr-defined]
+                                     shared_seed=shared_seeds[i])
+            if o is not None and not direct:
+                avg = o.copy_(avg.reshape(o.shape))
+            res.append(avg)
     if info is not None:
         info.update(code_dtype=rule, wire_dtype=wire, bytes_sent=sent)
     raise_if_damaged("shared_scale_allreduce", counts, defer_damage)
-    return outs
+    return res

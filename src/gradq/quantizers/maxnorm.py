@@ -98,9 +98,11 @@ class MaxNorm(SummableQuantizer):
         return kernels.uniform_encode(v, self._shared_scale(ctx), self.s, self.bucket, 8, ctx.rng)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes; the kernel's scale/(M·s) per bucket gives the average directly
-        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel)
+        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel,
+                                      out=out)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:

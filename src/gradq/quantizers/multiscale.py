@@ -179,11 +179,12 @@ class MultiScale(SummableQuantizer):
         return multiscale_dequantize(codes, shared["scale"], shared["scale_index"], self.levels, self.bucket, numel)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s_1 = Σ codes: with every scale times M the decode's (Σf − M·s_1)/(M·s_idx)·w is
         # the average, in one pass (the indices a byte each, as the protocol reduced them)
         return kernels.multiscale_decode(total, shared["scale_index"], shared["scale"].to(torch.float32),
-                                         tuple(count * s for s in self.levels), self.bucket, 8, 8, numel)
+                                         tuple(count * s for s in self.levels), self.bucket, 8, 8, numel, out=out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,12 +357,13 @@ class RandKMaxNorm(_GlobalRandK):
                                              self.inner.s, 8, ctx.rng, self._indices(n, seed, v.device))
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes, and scale/(M·s) gives the average (as MaxNorm's own), then n/K
         seed = self._need_seed(shared_seed)
         return kernels.subset_uniform_decode(total, shared["scale"].to(torch.float32), count * self.inner.s, 8,
                                              self.num_selected(numel), seed, numel, self.rescale,
-                                             self._indices(numel, seed, total.device))
+                                             self._indices(numel, seed, total.device), out)
 
 
 @register("randk-multiscale")
@@ -407,10 +409,11 @@ class RandKMultiScale(_GlobalRandK):
         return self.inner._fields(self._select(v, ctx.shared_seed), ctx)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         seed = self._need_seed(shared_seed)
         sub = self.inner._decode_field_sum(total, shared, count, self.num_selected(numel), None)
-        return self._scatter(sub, numel, seed)
+        return self._scatter(sub, numel, seed, out)
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if ctx.shared["scale_index"] is not ctx.own["scale_index"].value:

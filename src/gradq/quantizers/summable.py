@@ -24,6 +24,15 @@ def check_shared_scale(name: str, shared: torch.Tensor, own: torch.Tensor) -> No
                          "it must be the MAX over workers of shared_stats()['scale']")
 
 
+def _check_out(out: torch.Tensor, like: torch.Tensor, device: torch.device) -> None:
+    """Refuse an ``out=`` that a decode of ``like.numel()`` float32 values cannot write straight into."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
+            or out.numel() != like.numel() or out.device != device or like.dtype != torch.float32:
+        raise ValueError(f"out= must be a contiguous float32 tensor of {like.numel()} values on {device}, for a "
+                         f"float32 like=; got {getattr(out, 'dtype', type(out).__name__)}, "
+                         f"{getattr(out, 'numel', lambda: '?')()} values, like {like.dtype}")
+
+
 class SummableQuantizer(Quantizer):
     """A quantizer whose integer codes from different workers add up, once the
     :meth:`shared_stats` are reduced across workers.
@@ -106,28 +115,43 @@ class SummableQuantizer(Quantizer):
         return mc is not None and mc <= 127 and type(self)._fields is not SummableQuantizer._fields
 
     def decode_field_sum(self, total: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int,
-                         like: torch.Tensor, shared_seed: Optional[int] = None) -> torch.Tensor:
+                         like: torch.Tensor, shared_seed: Optional[int] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The average of ``count`` workers' decodes from the SUM of their :meth:`encode_fields`
         (uint8, or any wider integer dtype); shaped like ``like``. ``shared_seed``: the one the
-        fields were encoded with, for schemes that need one."""
+        fields were encoded with, for schemes that need one. ``out``: a contiguous float32 tensor of
+        ``like.numel()`` values on ``total``'s device (``like`` float32 too) to decode into, with no
+        input-sized allocation where the scheme decodes the sum in one pass (a fresh tensor costs
+        its page faults on a CPU: about four times the decode itself); returned shaped like ``like``."""
         if count < 1:
             raise ValueError("count must be >= 1")
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: decode_field_sum needs the fields' shared_seed=")
         n = like.numel()
-        out = None
+        flat = None
+        if out is not None:
+            _check_out(out, like, total.device)
+            flat = out.view(-1)
+        res = None
         if total.dtype == torch.uint8:
-            out = self._decode_field_sum(total, dict(shared), count, n, shared_seed)
-        if out is None:
+            res = self._decode_field_sum(total, dict(shared), count, n, shared_seed, flat)
+        if res is None:
             codes = total.to(torch.int64) - count * self.max_code
-            out = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
-        return out.reshape(like.shape).to(like.dtype)
+            res = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
+        if flat is not None:
+            if res.data_ptr() != flat.data_ptr():   # (a decode that made a tensor of its own)
+                flat.copy_(res.reshape(-1))
+            return out.view(like.shape)
+        return res.reshape(like.shape).to(like.dtype)
 
     def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
         return None
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The average from a uint8 sum of fields in one pass (into ``out`` where given: flat
+        float32), or None where the scheme has no such decode (then the codes' decode serves)."""
         return None
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:

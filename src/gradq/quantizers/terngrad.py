@@ -167,8 +167,9 @@ class TernGrad(SummableQuantizer):
         return kernels.uniform_encode(v, self._shared_scale(ctx), 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
-                          numel: int, shared_seed: Optional[int]) -> Optional[torch.Tensor]:
-        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel)
+                          numel: int, shared_seed: Optional[int],
+                          out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel, out=out)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
