@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def grid(*axes: Sequence, covering: Iterable[tuple]) -> list:
@@ -163,3 +164,20 @@ class HostReads(TorchDispatchMode):
         if func.__name__.split(".")[0] in ("_local_scalar_dense", "is_nonzero", "equal"):
             self.reads += 1
         return func(*args, **(kwargs or {}))
+
+
+class NewStorage(TorchDispatchMode):
+    """The largest storage (bytes) an operator made: an output that is no view of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for t in tree_leaves(res):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return res

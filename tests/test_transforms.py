@@ -306,6 +306,32 @@ class _Adds(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("spec", ["ef(maxnorm:bits=4)", "ef(terngrad)", "ef(multiscale)",
+                                  "ef(randk-maxnorm:ratio=0.25)"])
+def test_the_fields_step_makes_no_tensor_of_the_gradients_size(spec):
+    """On the held state the all-reduce's step (statistics, then fields) writes ``x + e`` into the
+    spare and this worker's own decode into the residual it replaces, so from the third step on it
+    makes no float32 tensor of the gradient's size (fresh CPU memory costs its page faults); the
+    fields, a byte a value, are its only new tensor of that length. Fields and residuals: bit for
+    bit those of a twin that never reuses memory."""
+    from gradq_testing import NewStorage
+
+    n = 4000
+    a, b = gradq.build(spec), gradq.build(spec)
+    b.spares = False
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(n, generator=g)
+        with NewStorage() as made:
+            stats = a.shared_stats(x, name="w", shared_seed=5)
+            shared = {k: s.value for k, s in stats.items()}
+            fields = a.encode_fields(x, shared=shared, seed=step, name="w", shared_seed=5, own=stats)
+        want = b.encode_fields(x, shared=shared, seed=step, name="w", shared_seed=5)
+        assert torch.equal(fields, want), step
+        assert torch.equal(a.residuals["w"].view(torch.int32), b.residuals["w"].view(torch.int32)), step
+        assert (made.largest < 4 * n) == (step >= 2), (step, made.largest)
+
+
 @pytest.mark.parametrize("change", ["none", "x in place", "another x"])
 def test_the_statistics_sum_serves_the_step_that_follows(change):
     """The all-reduce's order on the held state (statistics, then fields, per tensor): the spare that

@@ -91,9 +91,10 @@ class ErrorFeedback(Quantizer):
     Memory: a step makes ``u = x + e``, which becomes the next residual. On the held state, for CPU
     tensors, ``u`` is written into the residual that the previous step replaced (its *spare*)
     rather than into new memory: fresh CPU memory costs a page fault every 4 KB, which made the
-    add 3–4× slower at 25M values (docs/performance.md). So a residual read from the held state
-    stays valid until the second later step of its name overwrites it: copy it to keep it (or use
-    :meth:`state_dict`). ``spares=False`` (or setting ``.spares``) makes each step allocate
+    add 3–4× slower at 25M values (docs/performance.md); the all-reduce's fields step also decodes
+    the worker's own fields into the residual it replaces, once ``u`` is made. So a residual read
+    from the held state stays valid only until the next step of its name replaces it: copy it to
+    keep it (or use :meth:`state_dict`). ``spares=False`` (or setting ``.spares``) makes each step allocate
     instead, holding one buffer fewer per tensor between steps (the FSDP integration does);
     :meth:`encode_with` and the other ``…_with`` steps never reuse memory and never change the
     state they are given. CUDA tensors keep no spare: the caching allocator reuses freed memory.
@@ -201,12 +202,16 @@ class ErrorFeedback(Quantizer):
                 self._made[_key(name)] = (into, x, e, versions)
         return into
 
-    def _held(self, step: Any, x: torch.Tensor, name: Optional[str], **kwargs: Any) -> Any:
+    def _held(self, step: Any, x: torch.Tensor, name: Optional[str], lend: bool = False, **kwargs: Any) -> Any:
         """``step(x, self.state, into, name=name, **kwargs)`` → ``(result, next state)`` on the held
         state, ``into`` this name's spare; afterwards the residual the step replaced is the spare
-        (CPU tensors, with ``spares`` on)."""
+        (CPU tensors, with ``spares`` on). ``lend``: the step also gets that residual as
+        ``scratch=``, free once ``x + e`` is made (None where it will not become the spare)."""
         key = _key(name)
         old = self.state.residuals.get(key)
+        if lend:
+            kwargs["scratch"] = old if self.spares and old is not None and old.device.type == "cpu" \
+                and old.is_contiguous() and old.dtype == torch.float32 else None
         out, new = step(x, self.state, self._spare.get(key) if self.spares else None, name=name, **kwargs)
         self.state = new
         if new.residuals.get(key) is old:   # (nothing replaced: no fields path)
@@ -349,15 +354,22 @@ class ErrorFeedback(Quantizer):
     def _fields_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
                      shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
                      generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
-                     check_finite: bool, own: Optional[Mapping[str, SharedStat]] = None
-                     ) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+                     check_finite: bool, own: Optional[Mapping[str, SharedStat]] = None,
+                     scratch: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+        """``scratch``: a float32 buffer of ``e``'s size, free once ``u = x + e`` is made (the held
+        residual, which becomes the spare): this worker's own decode goes there rather than into new
+        memory, whose page faults cost a CPU more than the decode."""
         u, shared, own = self._summable_input(x, name, state, shared, shared_seed, check_finite, into, own)
         fields = self.inner.encode_fields(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
                                           shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
         if fields is None:
             return None, state
+        if scratch is not None and (scratch.shape != u.shape or scratch.device != u.device
+                                    or scratch.untyped_storage().data_ptr() in (u.untyped_storage().data_ptr(),
+                                                                                x.untyped_storage().data_ptr())):
+            scratch = None
         mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
-                                           shared_seed=shared_seed)
+                                           shared_seed=shared_seed, out=scratch)
         return fields, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the fields are new)
 
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
@@ -369,7 +381,7 @@ class ErrorFeedback(Quantizer):
         ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path).
         ``own``: this wrapper's :meth:`shared_stats` of ``x`` (the inner's of ``x + e``), as in
         :meth:`gradq.SummableQuantizer.encode_codes`."""
-        return self._held(self._fields_step, x, name, shared=shared, seed=seed, generator=generator,
+        return self._held(self._fields_step, x, name, lend=True, shared=shared, seed=seed, generator=generator,
                           shared_seed=shared_seed, check_finite=check_finite, own=own)
 
     def decode_field_sum(self, total: torch.Tensor, **kwargs: Any) -> torch.Tensor:

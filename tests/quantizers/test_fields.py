@@ -5,7 +5,7 @@ import torch
 
 import gradq
 from gradq import kernels
-from gradq_testing import HostReads
+from gradq_testing import HostReads, NewStorage
 
 SPECS = ["maxnorm:bits=4", "maxnorm:bits=2,bucket=64", "maxnorm:bits=8,bucket=100", "terngrad",
          "terngrad:bucket=512,clip=none", "terngrad:clip=1.5,bucket=37", "randk-maxnorm:ratio=0.3,bits=4",
@@ -141,23 +141,6 @@ def test_has_fields_says_whether_encode_fields_gives_them(spec):
     assert q.has_fields == (fields is not None) and q.has_fields == (spec not in ("fp16", "bf16", "none", "ef(fp16)"))
 
 
-class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest storage (bytes) an operator made: an output that is no view of its inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        res = func(*args, **(kwargs or {}))
-        given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(res):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return res
-
-
 @pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad:bucket=512", "multiscale",
                                   "randk-maxnorm:ratio=0.05", "randk-multiscale:ratio=0.05"])
 def test_field_sum_decodes_into_out_without_a_tensor_of_its_size(spec):
@@ -174,7 +157,7 @@ def test_field_sum_decodes_into_out_without_a_tensor_of_its_size(spec):
                          for r, x in enumerate(xs)]).sum(0).to(torch.uint8)
     want = q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED)
     out = torch.full((100, 300), float("nan"))
-    with _NewStorage() as made:
+    with NewStorage() as made:
         got = q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED, out=out)
     assert got.shape == xs[0].shape and got.data_ptr() == out.data_ptr() and torch.equal(got, want)
     assert made.largest < 4 * n // 10, made.largest
