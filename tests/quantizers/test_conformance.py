@@ -220,9 +220,10 @@ def test_non_finite_input_is_refused(spec, bad):
 #: the schemes whose encode must skip its check under check_finite=False (the DDP hook's encodes):
 #: every fixed-width scheme with its own scale, whose payload shows a NaN/Inf (see _nonfinite_witness),
 #: Top-K, whose kept values hold any NaN/Inf of x (their magnitudes rank above every finite one), and
-#: the Rand-K family, whose kernels only carry a selected NaN/Inf (runs_on_nonfinite)
+#: the Rand-K family, whose kernels only carry a selected NaN/Inf, and the casts, which only carry
+#: one (runs_on_nonfinite)
 SKIPPING = {"qsgd", "maxnorm", "terngrad", "multiscale", "orq", "linear", "signsgd", "onebit", "bingrad-b", "topk",
-            "randk", "randk-maxnorm", "randk-multiscale"}
+            "randk", "randk-maxnorm", "randk-multiscale", "none", "fp16", "bf16"}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

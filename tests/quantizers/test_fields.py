@@ -164,3 +164,20 @@ def test_field_sum_decodes_into_out_without_a_tensor_of_its_size(spec):
     for bad in (torch.empty(n, dtype=torch.float64), torch.empty(n + 1), torch.empty(2 * n)[::2]):
         with pytest.raises(ValueError, match="out= must be"):
             q.decode_field_sum(total, shared=shared, count=m, like=xs[0], shared_seed=SEED, out=bad)
+
+
+@pytest.mark.parametrize("spec", ["none", "bf16"])
+def test_casts_unchecked_read_nothing_on_the_host(spec):
+    """A cast only carries a NaN or Inf: with ``check_finite=False`` (the hook screened ``x``) its
+    statistics, codes and payload take no screen, which is a host read (a wait on a GPU); checked,
+    they do. (fp16 still reads its largest magnitude, to refuse one it cannot hold.)"""
+    q = gradq.build(spec)
+    x = workers(1000, 1)[0]
+
+    def calls(check: bool) -> int:
+        with HostReads() as r:
+            st = q.shared_stats(x, check_finite=check)
+            q.encode_codes(x, shared={k: s.value for k, s in st.items()}, seed=1, check_finite=check, own=st)
+            q.encode(x, seed=1, check_finite=check)
+        return r.reads
+    assert calls(False) == 0 and calls(True) == 3

@@ -24,6 +24,9 @@ class Cast(SummableQuantizer):
     """Send every coordinate in ``wire_dtype``."""
 
     wire_dtype: ClassVar[torch.dtype] = torch.float32
+    #: a cast only carries a NaN or Inf: a caller that screened ``x`` (``check_finite=False``, the
+    #: DDP hook) saves the screen's pass, and on a GPU its host read
+    runs_on_nonfinite = True
 
     @property
     def max_code(self) -> Optional[int]:
@@ -36,7 +39,7 @@ class Cast(SummableQuantizer):
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         if self.wire_dtype == torch.float16 and v.numel():
             big = float(v.abs().max())
-            if big > torch.finfo(torch.float16).max:
+            if torch.finfo(torch.float16).max < big < float("inf"):   # (NaN/Inf: only unscreened input)
                 raise ValueError(f"{self.name}: a value of magnitude {big:.3g} overflows float16 "
                                  f"(max {torch.finfo(torch.float16).max:.0f}); use bf16 or none")
         return v.to(self.wire_dtype)
