@@ -16,12 +16,14 @@ Spec: ``ef(qsgd:bits=2)`` or, equivalently, the option ``qsgd:bits=2,ef=1``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
 
 from .errors import SpecError
+from .kernels.checks import deferred_checks
 from .payload import Payload
 from .quantizers.base import EncodeContext, Quantizer, SharedStat
 from .spec import make, register_wrapper
@@ -368,8 +370,12 @@ class ErrorFeedback(Quantizer):
                                     or scratch.untyped_storage().data_ptr() in (u.untyped_storage().data_ptr(),
                                                                                 x.untyped_storage().data_ptr())):
             scratch = None
-        mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
-                                           shared_seed=shared_seed, out=scratch)
+        # with own= the shared statistics are the protocol's reduction, which decodes their sum with
+        # the same shared ones and refuses what does not decode there: this decode's checks (a host
+        # read on a GPU, e.g. MultiScale's scale indices) are left to that one
+        with deferred_checks() if own is not None else nullcontext():
+            mine = self.inner.decode_field_sum(fields, shared=shared, count=1, like=u,  # type: ignore[attr-defined]
+                                               shared_seed=shared_seed, out=scratch)
         return fields, state.with_residual(name, u.sub_(mine))   # (u is the call's own; the fields are new)
 
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,

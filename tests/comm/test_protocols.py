@@ -177,11 +177,12 @@ def _child(rank: int, world: int, tmp: str) -> None:
         return got, sent
     allreduce_mod._merged_reduce = bad_index
     try:
-        for label, defer in (("ms_index|alone", False), ("ms_index|deferred", True)):
+        for label, defer, spec in (("ms_index|alone", False, "multiscale"), ("ms_index|deferred", True, "multiscale"),
+                                   ("ms_index|ef", True, "ef(multiscale)")):
             info = {}
-            try:
-                out = shared_scale_allreduce(grad(rank, 400), gradq.build("multiscale"), seed=SEED, info=info,
-                                             defer_damage=defer)
+            try:   # (error feedback's decode of its own fields leaves the check to the sum's)
+                out = shared_scale_allreduce(grad(rank, 400), gradq.build(spec), seed=SEED, info=info,
+                                             defer_damage=defer, check_finite=False)
                 res[label] = {"invalid": int(info.get("invalid", 0)), "finite": bool(torch.isfinite(out).all())}
             except gradq.PayloadError as e:
                 res[label] = str(e)
@@ -292,6 +293,7 @@ def test_codes_no_encode_writes_are_refused_after_the_last_collective(run):
         err = outs[r]["ms_index|alone"]
         assert isinstance(err, str) and "arrived corrupt" in err, err
         assert outs[r]["ms_index|deferred"] == {"invalid": 1, "finite": True}, outs[r]["ms_index|deferred"]
+        assert outs[r]["ms_index|ef"] == {"invalid": 1, "finite": True}, outs[r]["ms_index|ef"]
 
 
 def test_sum_over_ranks_and_byte_gather(run):

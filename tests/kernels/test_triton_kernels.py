@@ -991,13 +991,14 @@ ALLREDUCE_SPECS = ["maxnorm:bits=4", "maxnorm:bits=2,bucket=4096", "terngrad", "
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("spec", ["multiscale", "randk-multiscale:ratio=0.25", "terngrad"])
+@pytest.mark.parametrize("spec", ["multiscale", "randk-multiscale:ratio=0.25", "terngrad", "ef(multiscale)"])
 def test_shared_scale_encode_reads_nothing_on_the_host(spec, triton_backend):
     """The all-reduce protocol's encode on the Triton backend (statistics, then fields or codes under
     the reduced ones with ``own=`` the statistics they were reduced from, unchecked): no host read
     (on a GPU, a wait for the device), and the bytes of the checked call without ``own=``.
     MultiScale's encode under shared indices refuses one above the worker's own with a host read;
-    with ``own=`` the caller made the MIN over workers itself, so it is skipped."""
+    with ``own=`` the caller made the MIN over workers itself, so it is skipped. Error feedback's
+    decode of its own fields leaves its index check to the protocol's decode of their sum."""
     from gradq_testing import HostReads
 
     x = gpu_input("gradient-like", 3001, 2)
