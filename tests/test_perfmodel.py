@@ -321,16 +321,22 @@ def test_cli_errors(capsys):
 
 def test_allreduce_is_charged_the_width_the_protocol_sums():
     """gradq's shared-scale all-reduce sums one byte per coordinate (fields c + s while 2·M·s ≤ 255),
-    else a wider integer (int16 is sent as int32 on gloo and NCCL): not the packed payload's bits."""
+    else a wider integer (int16 is sent as int32 on gloo and NCCL): not the packed payload's bits.
+    Its shared statistics travel too (one float32 scale for these unbucketed tensors, and MultiScale's
+    byte of scale index a coordinate); a GlobalRandK variant sums its K selected codes only."""
     from gradq.comm.allreduce import summed_itemsize
 
     assert summed_itemsize(8, 1, fields=True) == 1          # TernGrad, 8 workers
     assert summed_itemsize(16, 7, fields=True) == 1         # 4-bit MaxNorm: 2·16·7 = 224
     assert summed_itemsize(32, 7, fields=True) == 4         # 448: int16, sent as int32
     assert summed_itemsize(100, 1, fields=False) == 1       # MultiScale's codes (s1 = 1): int8
-    assert pm.predict(M100, "terngrad", flat(), 8).bits == 8.0
-    assert pm.predict(M100, "maxnorm:bits=4", flat(), 32, protocol="allreduce").bits == 32.0
-    assert pm.predict(M100, "multiscale", flat(), 8).bits == 8.0
+    scale = 32 / M100.params
+    assert pm.predict(M100, "terngrad", flat(), 8).bits == pytest.approx(8.0 + scale, rel=1e-12)
+    assert pm.predict(M100, "maxnorm:bits=4", flat(), 32, protocol="allreduce").bits == pytest.approx(32.0 + scale,
+                                                                                                      rel=1e-12)
+    assert pm.predict(M100, "multiscale", flat(), 8).bits == pytest.approx(16.0 + scale, rel=1e-12)
+    assert pm.predict(M100, "randk-maxnorm:ratio=0.01", flat(), 8).bits == pytest.approx(0.08 + scale, rel=1e-12)
+    assert pm.predict(M100, "randk-multiscale:ratio=0.01", flat(), 8).bits == pytest.approx(0.16 + scale, rel=1e-12)
     # the TernGrad paper's AlexNet on 8 GPUs at 1 Gbit/s: the 1.6 bits of the packed trits projected
     # 12.7x over fp32, which the protocol does not send; summing bytes, the projection is below 4x
     sp = pm.predict("alexnet", "terngrad", "1gbit-ethernet", 8, speedup=True).speedup_vs_fp32

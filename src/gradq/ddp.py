@@ -394,15 +394,14 @@ class GradqState:
         """``min_numel="auto"``: measure the link and the codec (every rank, the slowest rank's view)
         and set the float32 threshold (:func:`gradq.adaptive.fp32_threshold`)."""
         from .adaptive import fp32_threshold, measure_codec, measure_link
-        from .comm.allreduce import summed_itemsize
+        from .comm.allreduce import summed_nbytes
 
         q = self.quantizer.inner if isinstance(self.quantizer, ErrorFeedback) else self.quantizer
         protocol = self._resolve_strategy(world)
         alpha, bandwidth = measure_link(self.process_group, device)
         per_value, per_call = max_over_ranks(list(measure_codec(q, device)), self.process_group, device)
-        if protocol == "allreduce":
-            mc = int(getattr(q, "max_code", 127))
-            bits = 8.0 * summed_itemsize(world, mc, bool(getattr(q, "has_fields", False)))
+        if protocol == "allreduce":   # (statistics and codes as summed, a selected subset's only)
+            bits = 8.0 * summed_nbytes(q, 1 << 20, world) / (1 << 20)
         else:
             nb = q.expected_nbytes(1 << 20)
             bits = 8.0 * nb / (1 << 20) if nb is not None else 8.0

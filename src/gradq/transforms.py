@@ -167,6 +167,12 @@ class ErrorFeedback(Quantizer):
         """Whether :meth:`encode_fields` gives fields: where the inner scheme has them."""
         return bool(getattr(self.inner, "has_fields", False))
 
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return self.inner.stat_layout(numel)  # type: ignore[attr-defined]
+
+    def num_codes(self, numel: int) -> int:
+        return self.inner.num_codes(numel)  # type: ignore[attr-defined]
+
     def field_layout(self, numel: int) -> Optional[dict[str, tuple[torch.dtype, int]]]:
         return self.inner.field_layout(numel)
 

@@ -181,3 +181,25 @@ def test_casts_unchecked_read_nothing_on_the_host(spec):
             q.encode(x, seed=1, check_finite=check)
         return r.reads
     assert calls(False) == 0 and calls(True) == 3
+
+
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "maxnorm:bits=2", "terngrad:bucket=100", "terngrad",
+                                  "multiscale:bucket=64", "multiscale:bits=3+5+8", "randk-maxnorm:ratio=0.3",
+                                  "randk-multiscale:k=7", "ef(multiscale)", "none", "bf16"])
+@pytest.mark.parametrize("n", [0, 1, 37, 5000])
+def test_stat_layout_and_num_codes_are_what_the_all_reduce_reduces(spec, n):
+    """``stat_layout`` and ``num_codes`` (the byte counts of the hook's adaptive choice and of the
+    performance model) describe the statistics and codes the protocol reduces, for any size."""
+    from gradq.comm.allreduce import summed_itemsize, summed_nbytes
+
+    q = gradq.build(spec)
+    x = workers(n, 1)[0]
+    stats = q.shared_stats(x, shared_seed=SEED)
+    layout = q.stat_layout(n)
+    assert set(layout) == set(stats), (layout, list(stats))
+    assert all(layout[k] == (s.value.dtype, s.value.numel()) for k, s in stats.items()), (layout, stats)
+    codes = q.encode_codes(x, shared=reduced([stats]), seed=0, shared_seed=SEED)
+    assert q.num_codes(n) == codes.numel()
+    stat_bytes = sum(s.value.numel() * s.value.element_size() for s in stats.values())
+    width = codes.element_size() if q.max_code is None else summed_itemsize(4, q.max_code, q.has_fields)
+    assert summed_nbytes(q, n, 4) == stat_bytes + codes.numel() * width

@@ -42,7 +42,7 @@ from ..quantizers.base import Quantizer
 from ._util import check_inputs, decoding, one_round_fits, phase, raise_if_damaged, reduce_segments
 
 __all__ = ["shared_scale_allreduce", "shared_scale_allreduce_many", "code_dtype", "reduce_dtype",
-           "allreduce_bytes_per_worker"]
+           "allreduce_bytes_per_worker", "summed_nbytes"]
 
 _OPS = ("max", "min", "sum")
 #: dtypes a backend's all_reduce cannot take, and what to send instead
@@ -57,6 +57,19 @@ def summed_itemsize(world_size: int, max_code: int, fields: bool, backend: str =
         return 1
     return torch.empty(0, dtype=reduce_dtype(code_dtype(world_size, (2 if fields else 1) * max_code), backend)
                        ).element_size()
+
+
+def summed_nbytes(q: Any, numel: int, world_size: int, backend: str = "gloo") -> int:
+    """Bytes of the vectors one worker reduces in :func:`shared_scale_allreduce` for a tensor of
+    ``numel`` values: its shared statistics (MultiScale's include a byte of scale index a code) and
+    its codes, each code :func:`summed_itemsize` wide (a GlobalRandK variant sums its ``K``
+    selected codes only). A ring all-reduce sends ``2(M−1)/M`` of it."""
+    stats = sum(count * torch.empty((), dtype=reduce_dtype(dt, backend)).element_size()
+                for dt, count in q.stat_layout(numel).values())
+    mc = q.max_code
+    if mc is None:   # (a cast: its values in the wire dtype)
+        return stats + q.num_codes(numel) * torch.empty((), dtype=q.field_layout(1)["values"][0]).element_size()
+    return stats + q.num_codes(numel) * summed_itemsize(world_size, int(mc), bool(q.has_fields), backend)
 
 
 def code_dtype(world_size: int, max_code: int) -> torch.dtype:

@@ -109,7 +109,10 @@ class Compressor:
             ``sum_bits``, the all-reduce is charged the integer width gradq's protocol sums at ``M``
             workers (:func:`gradq.comm.allreduce.summed_itemsize`), not the packed ``bits``.
         fields: whether the scheme sums one-byte fields ``c + s`` (its fused fast path: TernGrad,
-            MaxNorm) rather than integer codes.
+            MaxNorm, MultiScale and the GlobalRandK variants) rather than integer codes.
+        sum_fraction: codes summed per coordinate (default 1; a GlobalRandK variant's ``K/n``).
+        stat_bits: bits per coordinate of the shared statistics the all-reduce also reduces
+            (default 0; the scales, and MultiScale's byte of scale index per summed code).
         codec_source: where the codec times come from (``"given"``, a measurement's description, or
             ``""`` for none), for reports.
     """
@@ -124,13 +127,15 @@ class Compressor:
     summable: Optional[bool] = None
     max_code: Optional[int] = None
     fields: bool = False
+    sum_fraction: float = 1.0
+    stat_bits: float = 0.0
     codec_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bits", check_pos(f"bits per coordinate of {self.name!r}", self.bits))
         if self.sum_bits is not None:
             object.__setattr__(self, "sum_bits", check_pos("sum_bits", self.sum_bits))
-        for k in ("encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb"):
+        for k in ("encode_ms", "decode_ms", "encode_ms_per_mb", "decode_ms_per_mb", "sum_fraction", "stat_bits"):
             object.__setattr__(self, k, check_nonneg(k, getattr(self, k)))
 
     @property
@@ -226,6 +231,13 @@ def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **co
     nbytes = _payload_nbytes(q, model.layer_sizes or (model.params,), text)
     mc = getattr(q, "max_code", None) if q.summable else None
     has_fields = bool(q.summable) and bool(getattr(q, "has_fields", False))
+    sum_fraction = stat_bits = None
+    if mc is not None:   # what the all-reduce sums besides its codes, and how many codes
+        sizes = [int(s) for s in (model.layer_sizes or (model.params,))]
+        stat_bytes = sum(count * dt.itemsize
+                         for s in sizes for dt, count in q.stat_layout(s).values())
+        sum_fraction = sum(q.num_codes(s) for s in sizes) / model.params
+        stat_bits = 8.0 * stat_bytes / model.params
     if codec_times is not None and not given:
         measured = codec_times.lookup(text)
         if measured is None:
@@ -233,5 +245,7 @@ def compressor_from(spec: str | Compressor, model: Model, codec_times=None, **co
         else:
             codec = {**codec, "encode_ms_per_mb": measured[0], "decode_ms_per_mb": measured[1]}
             source = codec_times.describe()
+    extra = {} if sum_fraction is None else {"sum_fraction": sum_fraction, "stat_bits": stat_bits}
     return Compressor(name=text, bits=8.0 * nbytes / model.params, summable=bool(q.summable),
-                      max_code=None if mc is None else int(mc), fields=has_fields, codec_source=source, **codec)
+                      max_code=None if mc is None else int(mc), fields=has_fields, codec_source=source,
+                      **extra, **codec)

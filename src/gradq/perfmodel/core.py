@@ -216,11 +216,11 @@ def predict(model: Model | str, compressor: Compressor | str, cluster: Cluster |
     if proto == "allreduce" and c.sum_bits is not None:
         bits = c.sum_bits
     elif proto == "allreduce" and c.max_code is not None and not c.is_fp32:
-        # what gradq's shared-scale all-reduce really sums: one byte or a wider integer per coordinate,
-        # not the packed payload (the scale statistics travel in a separate small exchange)
+        # what gradq's shared-scale all-reduce really sums: one byte or a wider integer per summed
+        # code (a GlobalRandK variant's K only), not the packed payload, and its shared statistics
         from ..comm.allreduce import summed_itemsize
 
-        bits = 8.0 * summed_itemsize(workers, c.max_code, c.fields)
+        bits = c.stat_bits + c.sum_fraction * 8.0 * summed_itemsize(workers, c.max_code, c.fields)
     size = n * bits / 8.0                                     # S
     out_size = size if ps_requantize else 4.0 * n             # ps pull: re-encoded or fp32
     if ps_pull_bits is not None and proto == "ps" and not c.is_fp32:

@@ -63,6 +63,9 @@ class MaxNorm(SummableQuantizer):
         # NaN/Inf exactly when the bucket holds one, and every backend only does arithmetic on NaN/Inf
         return "scales" if shared is None and x.dtype == torch.float32 else None
 
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"scale": (torch.float32, num_buckets(numel, self.bucket))}
+
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         norms = kernels.maxabs_scales if self.norm == "max" else kernels.l2_scales
         return {"scale": SharedStat(norms(v, self.bucket), "max")}

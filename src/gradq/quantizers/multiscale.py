@@ -118,6 +118,9 @@ class MultiScale(SummableQuantizer):
         return kernels.multiscale_indices(v, w, self.levels, self.bucket)
 
     # -- encode ------------------------------------------------------------------------------------
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"scale": (torch.float32, num_buckets(numel, self.bucket)), "scale_index": (torch.uint8, int(numel))}
+
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         w = self._norms(v)
         return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(self._indices(v, w), "min")}
@@ -267,6 +270,12 @@ class _GlobalRandK(SummableQuantizer):
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return self.inner._shared_stats(self._select(v, shared_seed), None)
+
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return self.inner.stat_layout(self.num_selected(numel))
+
+    def num_codes(self, numel: int) -> int:
+        return self.num_selected(numel)
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         return self.inner._codes(self._select(v, ctx.shared_seed), ctx)

@@ -107,6 +107,17 @@ class SummableQuantizer(Quantizer):
         ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
         return self._fields(v, ctx)
 
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        """The dtype and size of each :meth:`shared_stats` value for a tensor of ``numel`` values:
+        what the all-reduce protocol reduces before the codes (the byte counts of the DDP hook's
+        adaptive choice and of the performance model come from it)."""
+        return {}
+
+    def num_codes(self, numel: int) -> int:
+        """How many codes (or fields) :meth:`encode_codes` makes for ``numel`` values: one a value,
+        or one a selected value for the GlobalRandK variants."""
+        return int(numel)
+
     @property
     def has_fields(self) -> bool:
         """Whether :meth:`encode_fields` gives fields rather than None: integer codes of at most

@@ -103,6 +103,9 @@ class TernGrad(SummableQuantizer):
         # Inf, so that bucket's scale is NaN or Inf; every backend only does arithmetic on them
         return "scales" if shared is None and x.dtype == torch.float32 else None
 
+    def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        return {"scale": (torch.float32, num_buckets(numel, self.bucket))}
+
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         # σ, clip bound and clipped max-abs (one pass where the backend fuses them); the bound rides
         # along unreduced, for this worker's encode of the same tensor (own=)
