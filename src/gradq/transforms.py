@@ -350,26 +350,28 @@ class ErrorFeedback(Quantizer):
                            shared: Optional[Mapping[str, torch.Tensor]] = None, seed: Optional[int] = None,
                            generator: Optional[torch.Generator] = None, shared_seed: Optional[int] = None,
                            name: Optional[str] = None, check_finite: bool = True,
-                           own: Optional[Mapping[str, SharedStat]] = None
+                           own: Optional[Mapping[str, SharedStat]] = None, out: Optional[torch.Tensor] = None
                            ) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
         """:meth:`encode_fields` on an explicit state: the inner scheme's uint8 fields of ``x + e``
-        (its fused path, the same codes as :meth:`encode_codes_with`) and the next state, whose
-        residual subtracts this worker's own decode of them; ``(None, state)`` where the inner
-        scheme has no fields path (then use :meth:`encode_codes_with`)."""
+        (its fused path, the same codes as :meth:`encode_codes_with`; into ``out`` where given) and
+        the next state, whose residual subtracts this worker's own decode of them; ``(None, state)``
+        where the inner scheme has no fields path (then use :meth:`encode_codes_with`)."""
         return self._fields_step(x, state, None, shared=shared, seed=seed, generator=generator,
-                                 shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
+                                 shared_seed=shared_seed, name=name, check_finite=check_finite, own=own, out=out)
 
     def _fields_step(self, x: torch.Tensor, state: ErrorFeedbackState, into: Optional[torch.Tensor], *,
                      shared: Optional[Mapping[str, torch.Tensor]], seed: Optional[int],
                      generator: Optional[torch.Generator], shared_seed: Optional[int], name: Optional[str],
                      check_finite: bool, own: Optional[Mapping[str, SharedStat]] = None,
-                     scratch: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
+                     scratch: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+                     ) -> tuple[Optional[torch.Tensor], ErrorFeedbackState]:
         """``scratch``: a float32 buffer of ``e``'s size, free once ``u = x + e`` is made (the held
         residual, which becomes the spare): this worker's own decode goes there rather than into new
         memory, whose page faults cost a CPU more than the decode."""
         u, shared, own = self._summable_input(x, name, state, shared, shared_seed, check_finite, into, own)
         fields = self.inner.encode_fields(u, shared=shared, seed=seed, generator=generator,  # type: ignore[attr-defined]
-                                          shared_seed=shared_seed, name=name, check_finite=check_finite, own=own)
+                                          shared_seed=shared_seed, name=name, check_finite=check_finite, own=own,
+                                          out=out)
         if fields is None:
             return None, state
         if scratch is not None and (scratch.shape != u.shape or scratch.device != u.device
@@ -387,14 +389,14 @@ class ErrorFeedback(Quantizer):
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       shared_seed: Optional[int] = None, name: Optional[str] = None,
-                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None
-                      ) -> Optional[torch.Tensor]:
+                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None,
+                      out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Fields of ``x + e`` under the shared stats through the inner scheme's fused path; updates
         ``e`` from this worker's own fields (``None``, ``e`` untouched, where there is no such path).
         ``own``: this wrapper's :meth:`shared_stats` of ``x`` (the inner's of ``x + e``), as in
-        :meth:`gradq.SummableQuantizer.encode_codes`."""
+        :meth:`gradq.SummableQuantizer.encode_codes`; ``out`` as there."""
         return self._held(self._fields_step, x, name, lend=True, shared=shared, seed=seed, generator=generator,
-                          shared_seed=shared_seed, check_finite=check_finite, own=own)
+                          shared_seed=shared_seed, check_finite=check_finite, own=own, out=out)
 
     def decode_field_sum(self, total: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.inner.decode_field_sum(total, **kwargs)  # type: ignore[attr-defined]

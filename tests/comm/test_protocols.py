@@ -50,6 +50,20 @@ def _key(proto, spec, n, kw):
     return f"{proto}|{spec}|{n}|{sorted(kw.items())}"
 
 
+class _Concatenations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The lengths of the concatenations made inside (``torch.cat``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] == "cat":
+            self.lengths.append(out.numel())
+        return out
+
+
 def _child(rank: int, world: int, tmp: str) -> None:
     gradq_testing.init_gloo(tmp, rank, world)
     fns = {"allgather": allgather_mean, "scatter": scatter_allgather, "ps": parameter_server_mean,
@@ -105,10 +119,14 @@ def _child(rank: int, world: int, tmp: str) -> None:
         res[f"many|{spec}"] = (shared_scale_allreduce_many(xs, q, seeds=[1, 2, 3], names=["a", "b", "c"]),
                                [shared_scale_allreduce(x, q, seed=sd, name=nm, verify=False)
                                 for x, sd, nm in zip(xs, [1, 2, 3], ["a", "b", "c"])])
-        # decoded into the inputs themselves (the hook's bucket views; a 2-D one too), and one not
+        # decoded into the inputs themselves (the hook's bucket views; a 2-D one too), and one not; the
+        # codes' tensors concatenated (a cast's, its fields' lie in one buffer: reduced there)
         ins = [xs[0].clone(), xs[1].clone().reshape(7, 143), xs[2].clone()]
-        got = shared_scale_allreduce_many(ins, q, seeds=[1, 2, 3], names=["a", "b", "c"], outs=[ins[0], ins[1], None])
-        res[f"outs|{spec}"] = ([g.reshape(-1) for g in got], [t.data_ptr() for t in ins], [g.data_ptr() for g in got])
+        with _Concatenations() as cats:
+            got = shared_scale_allreduce_many(ins, q, seeds=[1, 2, 3], names=["a", "b", "c"],
+                                              outs=[ins[0], ins[1], None])
+        res[f"outs|{spec}"] = ([g.reshape(-1) for g in got], [t.data_ptr() for t in ins], [g.data_ptr() for g in got],
+                               cats.lengths)
     ts = [grad(rank, 300), grad(rank, 77).reshape(7, 11)]
     for spec in API_SPECS:  # the hook-free entry point against the protocol it picks
         copies = [t.clone() for t in ts]
@@ -168,8 +186,8 @@ def _child(rank: int, world: int, tmp: str) -> None:
     from gradq.comm import allreduce as allreduce_mod
     merged = allreduce_mod._merged_reduce
 
-    def bad_index(items, group, what):
-        got, sent = merged(items, group, what)
+    def bad_index(items, group, what, **kw):
+        got, sent = merged(items, group, what, **kw)
         for key in got:
             if isinstance(key, tuple) and key[1] == "scale_index":
                 got[key] = got[key].clone()
@@ -387,9 +405,12 @@ def test_many_tensors_in_one_shared_scale_allreduce_equal_separate_calls(run):
             together, apart = outs[r][f"many|{spec}"]
             assert all(torch.equal(a, b) for a, b in zip(together, apart)), (spec, r)
         for r in range(world):   # outs=: the same averages, in the tensors given (fp16: copied there)
-            got, into, at = outs[r][f"outs|{spec}"]
+            got, into, at, cats = outs[r][f"outs|{spec}"]
             assert all(torch.equal(a, b) for a, b in zip(got, outs[r][f"many|{spec}"][0])), (spec, r)
             assert at[:2] == into[:2] and at[2] != into[2], (spec, r)
+            # 1,306 values concatenated: the cast's codes and MultiScale's scale indices (statistics);
+            # the fields lie in one buffer, reduced there
+            assert cats.count(1306) == (spec in ("fp16", "multiscale")), (spec, cats)
 
 
 def test_all_ranks_identical(run):

@@ -203,3 +203,24 @@ def test_stat_layout_and_num_codes_are_what_the_all_reduce_reduces(spec, n):
     stat_bytes = sum(s.value.numel() * s.value.element_size() for s in stats.values())
     width = codes.element_size() if q.max_code is None else summed_itemsize(4, q.max_code, q.has_fields)
     assert summed_nbytes(q, n, 4) == stat_bytes + codes.numel() * width
+
+
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "terngrad", "multiscale", "randk-maxnorm:ratio=0.3",
+                                  "randk-multiscale:k=7", "ef(maxnorm:bits=2)"])
+def test_encode_fields_into_out(spec):
+    """``encode_fields(out=)`` (the all-reduce's one buffer for every tensor's fields): the fields of
+    the call without it, written into ``out`` and returned; an ``out`` of another size, dtype or
+    layout is refused."""
+    x = workers(3001, 1)[0]
+    q, twin = gradq.build(spec), gradq.build(spec)
+    stats = q.shared_stats(x, shared_seed=SEED)
+    shared = reduced([stats])
+    buf = torch.full((q.num_codes(3001) + 10,), 0xEE, dtype=torch.uint8)
+    out = buf[5:-5]
+    got = q.encode_fields(x, shared=shared, seed=2, shared_seed=SEED, out=out)
+    want = twin.encode_fields(x, shared=shared, seed=2, shared_seed=SEED)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert buf[:5].eq(0xEE).all() and buf[-5:].eq(0xEE).all()   # nothing written outside
+    for bad in (buf[4:-5], buf[5:-5].to(torch.int32), torch.empty(2 * out.numel(), dtype=torch.uint8)[::2]):
+        with pytest.raises(ValueError, match="out= must be"):
+            gradq.build(spec).encode_fields(x, shared=shared, seed=2, shared_seed=SEED, out=bad)

@@ -146,15 +146,33 @@ def shared_scale_allreduce(x: torch.Tensor, q: Quantizer, *, group: Any = None, 
                                        info=info, check_finite=check_finite, defer_damage=defer_damage)[0]
 
 
-def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what: str) -> tuple[dict, int]:
+def _merged_reduce(items: list[tuple[Any, torch.Tensor, str]], group: Any, what: str,
+                   owned: bool = False) -> tuple[dict, int]:
     """Reduce several tensors of one dtype, each with its op (``(key, tensor, op)``), with one exchange
-    when they are small (:func:`reduce_segments`): concatenated, reduced, split back by key."""
-    flat = torch.cat([t.reshape(-1) for _, t, _ in items])
+    when they are small (:func:`reduce_segments`): concatenated, reduced, split back by key. ``owned``:
+    the tensors are the caller's scratch, and where they lie back to back in one buffer (the fields)
+    they are reduced there, with no concatenation."""
+    flat = _span([t for _, t, _ in items]) if owned else None
+    if flat is None:
+        flat = torch.cat([t.reshape(-1) for _, t, _ in items])
     if not flat.numel():
         return {k: t for k, t, _ in items}, 0
     total, sent = reduce_segments(flat, [(t.numel(), op) for _, t, op in items], group, what=what)
     parts = torch.split(total, [t.numel() for _, t, _ in items])
     return {k: part.view_as(t) for (k, t, _), part in zip(items, parts)}, sent
+
+
+def _span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One 1-D view of ``tensors`` where they lie back to back, in order, in one storage (contiguous,
+    one dtype); None otherwise."""
+    first = tensors[0]
+    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.data_ptr() != at
+                or t.untyped_storage().data_ptr() != storage):
+            return None
+        at += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
 
 
 def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, group: Any = None,
@@ -227,6 +245,13 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     max_code = q.max_code  # type: ignore[attr-defined]
     totals: list[tuple[torch.Tensor, bool]] = []
     rule = wire = None
+    slots: list[Optional[torch.Tensor]] = [None] * n
+    pooled = n > 0 and max_code is not None and getattr(q, "has_fields", False) and 2 * world * int(max_code) <= 255 \
+        and len({x.device for x in xs}) == 1
+    if pooled:
+        # the fields of every tensor in one buffer, in order: reduced there, with no concatenation
+        counts = [q.num_codes(x.numel()) for x in xs]  # type: ignore[attr-defined]
+        slots = list(torch.split(torch.empty(sum(counts), dtype=torch.uint8, device=xs[0].device), counts))
     for i, x in enumerate(xs):
         seed_r = derive_seed(seeds[i], rank, "encode")
         fields = None
@@ -235,7 +260,7 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
                 # (own: the statistics reduced[i] was reduced from, so the encode neither computes
                 # them again nor checks the reduction against them: a host read on a GPU)
                 fields = q.encode_fields(x, shared=reduced[i], seed=seed_r, shared_seed=shared_seeds[i], name=names[i],
-                                         check_finite=check_finite, own=stats[i])
+                                         check_finite=check_finite, own=stats[i], out=slots[i])
             if fields is not None:
                 # fast path: one byte c + s per coordinate; Σ_m fields fits uint8 when 2Ms ≤ 255
                 rule = code_dtype(world, int(max_code))
@@ -256,7 +281,8 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     with phase(info, "comm"):
         for dt in sorted(by_dtype, key=str):
             got, b = _merged_reduce([(i, t, "sum") for i, t in by_dtype[dt]], group,
-                                    "the integer all-reduce of the codes")
+                                    "the integer all-reduce of the codes",
+                                    owned=dt == torch.uint8 and pooled)   # (our fields buffer)
             summed.update(got)
             sent += b
     res = []

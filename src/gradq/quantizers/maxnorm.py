@@ -97,8 +97,8 @@ class MaxNorm(SummableQuantizer):
     def _decode(self, fields: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         return kernels.uniform_decode(fields["codes"], fields["scales"], self.s, self.bucket, self.width, numel)
 
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        return kernels.uniform_encode(v, self._shared_scale(ctx), self.s, self.bucket, 8, ctx.rng)
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return kernels.uniform_encode(v, self._shared_scale(ctx), self.s, self.bucket, 8, ctx.rng, out=out)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int, shared_seed: Optional[int],

@@ -153,7 +153,7 @@ class MultiScale(SummableQuantizer):
                                                   0 if wide else self.index_width, ctx.rng, check=not ctx.trusted)
         return codes, packed, w
 
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         return self._fields_of(v, ctx, wide=True)[0]
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
@@ -359,7 +359,7 @@ class RandKMaxNorm(_GlobalRandK):
 
     # the all-reduce's fields (a byte c + s a selected coordinate) through the same subset primitives:
     # MaxNorm's 8-bit fields of the sub-vector, and their sum's average scattered
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         seed = self._need_seed(ctx.shared_seed)
         n = v.numel()
         return kernels.subset_uniform_encode(v, self.num_selected(n), seed, self.inner._shared_scale(ctx),
@@ -414,8 +414,8 @@ class RandKMultiScale(_GlobalRandK):
 
     # the all-reduce's fields: MultiScale's of the selected sub-vector (a byte s_1 + c each), and
     # their sum's average scattered
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        return self.inner._fields(self._select(v, ctx.shared_seed), ctx)
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return self.inner._fields(self._select(v, ctx.shared_seed), ctx, out)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int, shared_seed: Optional[int],

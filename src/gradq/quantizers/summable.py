@@ -90,11 +90,13 @@ class SummableQuantizer(Quantizer):
     def encode_fields(self, x: torch.Tensor, *, shared: Optional[Mapping[str, torch.Tensor]] = None,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       shared_seed: Optional[int] = None, name: Optional[str] = None,
-                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None
-                      ) -> Optional[torch.Tensor]:
+                      check_finite: bool = True, own: Optional[Mapping[str, SharedStat]] = None,
+                      out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The codes as one uint8 *field* ``c + max_code`` per coordinate, through a fused fast path;
         ``None`` where the scheme or device has none (then use :meth:`encode_codes`); ``check_finite``
-        and ``own`` as in :meth:`encode_codes`.
+        and ``own`` as in :meth:`encode_codes`. ``out``: a contiguous uint8 tensor of
+        :meth:`num_codes` values on ``x``'s device to write them into (the all-reduce encodes every
+        tensor's fields into one buffer, which it then reduces without a copy).
 
         Same randomness as :meth:`encode_codes`: ``fields − max_code`` equals its codes exactly. The
         sum of ``M`` workers' fields is ``Σc + M·max_code``; it fits in uint8 when
@@ -104,8 +106,16 @@ class SummableQuantizer(Quantizer):
             return None
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: encode_fields needs shared_seed= (common to all workers)")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+                                or not out.is_contiguous() or out.numel() != self.num_codes(v.numel())
+                                or out.device != v.device):
+            raise ValueError(f"{self.name}: out= must be a contiguous 1-D uint8 tensor of {self.num_codes(v.numel())} "
+                             f"values on {v.device}")
         ctx = self._context(v, RandomStream(resolve_seed(seed, generator)), shared, shared_seed, name, own)
-        return self._fields(v, ctx)
+        fields = self._fields(v, ctx, out)
+        if out is not None and fields is not None and fields.data_ptr() != out.data_ptr():
+            fields = out.copy_(fields.reshape(-1))   # (a kernel that made its own)
+        return fields
 
     def stat_layout(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         """The dtype and size of each :meth:`shared_stats` value for a tensor of ``numel`` values:
@@ -155,7 +165,9 @@ class SummableQuantizer(Quantizer):
             return out.view(like.shape)
         return res.reshape(like.shape).to(like.dtype)
 
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The fields (into ``out`` where the kernel can write there; the caller copies otherwise),
+        or None where the scheme has no fields path."""
         return None
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,

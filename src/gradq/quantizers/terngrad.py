@@ -166,8 +166,9 @@ class TernGrad(SummableQuantizer):
             return kernels.uniform_decode_trits(fields["codes"], fields["scales"], self.bucket, numel)
         return kernels.uniform_decode(fields["codes"], fields["scales"], 1, self.bucket, 2, numel, max_field=2)
 
-    def _fields(self, v: torch.Tensor, ctx: EncodeContext) -> Optional[torch.Tensor]:
-        return kernels.uniform_encode(v, self._shared_scale(ctx), 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"])
+    def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return kernels.uniform_encode(v, self._shared_scale(ctx), 1, self.bucket, 8, ctx.rng, clip=ctx.scratch["bound"],
+                                      out=out)
 
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int, shared_seed: Optional[int],
