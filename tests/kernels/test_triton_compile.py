@@ -99,6 +99,12 @@ SCRIPT = textwrap.dedent('''
          dict(L=2, W=2, IW=1, G=64, WIDE=True, OWN=True), True),
         ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
          nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=2, IW=1, G=64, WIDE=True), False),
+        # the all-reduce's fields: a byte a value, no index field; their sum decoded with byte indices
+        ("_ms_encode_kernel", dict(x_ptr=PF, w_ptr=PF, ix_ptr=P8, lv_ptr=PF, codes_ptr=P8, index_ptr=P8,
+         bad_ptr=P32, n=I, nbytes=I, ibytes=I, bucket=I, k1=I, k2=I, ctr0=I, L=C, W=C, IW=C, G=C, WIDE=C, OWN=C),
+         dict(L=2, W=8, IW=0, G=64, WIDE=False, OWN=False), True),
+        ("_ms_decode_kernel", dict(codes_ptr=P8, index_ptr=P8, w_ptr=PF, q_ptr=PF, out_ptr=PF, bad_ptr=P32, n=I,
+         nbytes=I, ibytes=I, bucket=I, L=C, W=C, IW=C, G=C, WIDE=C), dict(L=2, W=8, IW=8, G=64, WIDE=False), False),
 
     ] + [
         ("_binary_stats_kernel", dict(x_ptr=PF, t_ptr=PF if bits else PF64, lv_ptr=PF,
