@@ -10,8 +10,8 @@
 #   TUNING_BUDGET=100 TUNING_GROUPS="sort orq" ...                 # the tuning step's seconds and groups (default all)
 #   GPU_TESTS_N=14 ...                                            # pytest-xdist workers for the tests step (default 8)
 #
-# Steps: tuning codecs codecs50 tests profile nccl hook collectives integrations (tuning, codecs50 and
-# profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
+# Steps: tuning codecs fields codecs50 tests profile nccl hook collectives integrations (tuning, fields,
+# codecs50 and profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
 # which shows the device-bound figure where codecs' batches of 5 include the host's time). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
 # unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found;
 # `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels and of the Elias reader. Each runs under its own time limit
@@ -50,6 +50,7 @@ if [ -s "$OUT/best_tuning.json" ] && [ -z "${GRADQ_TRITON_TUNING:-}" ]; then
 fi
 step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 7 \
   --json "$OUT/codec_times_cuda.json"   # also the codec speeds `gradq perfmodel --codec-times` reads
+step fields 60 "$PY" benchmarks/bench_fields.py --device cuda --repeats 5   # the all-reduce's codec
 step codecs50 90 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 5 --batch 50 \
   --spec qsgd:bits=4,bucket=512 --spec signsgd --spec orq:levels=5 --spec qsgd:bits=4,coding=elias   # the device-bound figure
 step tests 150 "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \

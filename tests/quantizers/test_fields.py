@@ -224,3 +224,39 @@ def test_encode_fields_into_out(spec):
     for bad in (buf[4:-5], buf[5:-5].to(torch.int32), torch.empty(2 * out.numel(), dtype=torch.uint8)[::2]):
         with pytest.raises(ValueError, match="out= must be"):
             gradq.build(spec).encode_fields(x, shared=shared, seed=2, shared_seed=SEED, out=bad)
+
+
+@pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "maxnorm:bits=2", "terngrad:bucket=100", "terngrad"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_a_sum_wider_than_a_byte_decodes_as_a_byte(spec, dtype):
+    """Where ``2·M·s > 255`` the protocol sums the fields in a wider integer; its decode
+    (``kernels.uniform_decode_sum``, in place in ``out=``) gives the uint8 sum's decode bit for bit
+    (here a sum that fits both), not the codes' float32 rounding."""
+    m, n = 3, 3001
+    q = gradq.build(spec)
+    xs = workers(n, m)
+    stats = [q.shared_stats(x) for x in xs]
+    shared = reduced(stats)
+    total = torch.stack([q.encode_fields(x, shared=shared, seed=r) for r, x in enumerate(xs)]).to(torch.int32).sum(0)
+    want = q.decode_field_sum(total.to(torch.uint8), shared=shared, count=m, like=xs[0])
+    out = torch.full((n,), float("nan"))
+    got = q.decode_field_sum(total.to(dtype), shared=shared, count=m, like=xs[0], out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert torch.equal(q.decode_field_sum(total.to(dtype), shared=shared, count=m, like=xs[0]), want)
+
+
+def test_the_fields_benchmark_runs_and_checks_its_decode(capsys):
+    """``benchmarks/bench_fields.py`` on a small vector: it checks the mean of the sum against the
+    codes' decode (and exits on a difference) before it times anything."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "bench_fields.py")
+    spec = importlib.util.spec_from_file_location("bench_fields", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--n", "20000", "--repeats", "1", "--spec", "maxnorm:bits=8", "--spec", "multiscale",
+                "--spec", "randk-maxnorm:ratio=0.1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| maxnorm", "| multiscale",
+                                                                                      "| randk"))]
+    assert len(rows) == 3 and "int32" in rows[0] and "uint8" in rows[1], rows

@@ -49,7 +49,8 @@ from . import levels as _numba_levels
 
 __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_backend", "backend_for",
            "process_threads", "maxabs_scales", "l2_scales", "uniform_encode", "uniform_encode_trits",
-           "maxabs_uniform_encode", "l2_uniform_encode", "uniform_decode", "uniform_decode_trits", "uniform_decode_mean",
+           "maxabs_uniform_encode", "l2_uniform_encode", "uniform_decode", "uniform_decode_sum", "uniform_decode_trits",
+           "uniform_decode_mean",
            "uniform_decode_trits_mean", "population_std", "terngrad_stats", "levels_encode", "levels_decode",
            "orq_encode", "linear_encode", "threshold_encode", "sign_encode", "bit_decode", "sign_scale_encode",
            "onebit_encode", "bingrad_b_encode", "bingrad_pb_encode", "multiscale_indices", "multiscale_encode",
@@ -255,6 +256,14 @@ def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: O
     """``float32(field − s)·(scale_b/s)`` for ``n`` packed ``width``-bit fields. With ``max_field``,
     a field above it raises :class:`PayloadError` (TernGrad 2-bit: ``max_field=2``)."""
     return _impl("uniform_decode", packed)(packed, scales, s, bucket, width, n, max_field, out)
+
+
+def uniform_decode_sum(total: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], n: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`uniform_decode` of integer fields wider than a byte (the all-reduce's sum of fields at
+    ``2·M·s > 255``): ``float32(t − s)·(scale_b/s)``, bit for bit as a byte's. One implementation, in
+    torch on every device: three element-wise passes in place in ``out``."""
+    return reference.uniform_decode_sum(total, scales, s, bucket, n, out)
 
 
 def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,

@@ -36,7 +36,7 @@ from .checks import refuse_invalid
 __all__ = [
     # shared math
     "num_buckets", "bucket_view", "bucket_chunks", "bucket_index", "bucket_norms", "FLOAT32_MAX", "saturate_norm",
-    "stochastic_round", "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std",
+    "stochastic_round", "uniform_codes", "dequantize_uniform", "population_std", "clip_by_std", "uniform_decode_sum",
     # levels (reference_levels)
     "orq_levels", "linear_levels", "round_to_levels", "check_level_count", "linear_positions", "sort_rows",
     "orq_shift", "orq_fixed",
@@ -296,6 +296,25 @@ def uniform_decode(packed: torch.Tensor, scales: torch.Tensor, s: int, bucket: O
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``float32(field − s)·(scale_b/s)`` for ``n`` packed ``width``-bit fields."""
     return uniform_decode_mean([packed], [scales], s, bucket, width, n, max_field, out)
+
+
+def uniform_decode_sum(total: torch.Tensor, scales: torch.Tensor, s: int, bucket: Optional[int], n: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``float32(t − s)·(scale_b/s)`` for ``n`` integer fields of any integer dtype: the SUM of ``M``
+    workers' one-byte fields where it no longer fits a byte (``s`` then ``M`` times the scheme's), as
+    :func:`uniform_decode` decodes a byte. In place in ``out`` (float32, flat): a pass for the
+    conversion (exact below ``2²⁴``), one for the offset and one for the bucket's factor."""
+    res = torch.empty(n, dtype=torch.float32, device=total.device) if out is None else out.view(-1)
+    if n:
+        res.copy_(total.reshape(-1)[:n])
+        res.sub_(s)
+        ratio = scales.to(device=res.device, dtype=torch.float32) / s
+        d = n if bucket is None else min(int(bucket), n)
+        full = n // d
+        res[:full * d].view(full, d).mul_(ratio[:full].unsqueeze(1))
+        if full * d < n:
+            res[full * d:].mul_(ratio[full])
+    return res if out is None else out
 
 
 def uniform_decode_trits(packed: torch.Tensor, scales: torch.Tensor, bucket: Optional[int], n: int,

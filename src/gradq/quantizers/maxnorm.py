@@ -104,8 +104,10 @@ class MaxNorm(SummableQuantizer):
                           numel: int, shared_seed: Optional[int],
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes; the kernel's scale/(M·s) per bucket gives the average directly
-        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count * self.s, self.bucket, 8, numel,
-                                      out=out)
+        scale = shared["scale"].to(torch.float32)
+        if total.dtype != torch.uint8:   # (a sum wider than a byte: 2·M·s > 255)
+            return kernels.uniform_decode_sum(total, scale, count * self.s, self.bucket, numel, out=out)
+        return kernels.uniform_decode(total, scale, count * self.s, self.bucket, 8, numel, out=out)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:

@@ -186,6 +186,8 @@ class MultiScale(SummableQuantizer):
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s_1 = Σ codes: with every scale times M the decode's (Σf − M·s_1)/(M·s_idx)·w is
         # the average, in one pass (the indices a byte each, as the protocol reduced them)
+        if total.dtype != torch.uint8:   # (more than 127 workers: the codes' decode)
+            return None
         return kernels.multiscale_decode(total, shared["scale_index"], shared["scale"].to(torch.float32),
                                          tuple(count * s for s in self.levels), self.bucket, 8, 8, numel, out=out)
 
@@ -369,6 +371,8 @@ class RandKMaxNorm(_GlobalRandK):
                           numel: int, shared_seed: Optional[int],
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # Σ fields − M·s = Σ codes, and scale/(M·s) gives the average (as MaxNorm's own), then n/K
+        if total.dtype != torch.uint8:   # (a sum wider than a byte: the codes' decode)
+            return None
         seed = self._need_seed(shared_seed)
         return kernels.subset_uniform_decode(total, shared["scale"].to(torch.float32), count * self.inner.s, 8,
                                              self.num_selected(numel), seed, numel, self.rescale,
@@ -422,7 +426,7 @@ class RandKMultiScale(_GlobalRandK):
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         seed = self._need_seed(shared_seed)
         sub = self.inner._decode_field_sum(total, shared, count, self.num_selected(numel), None)
-        return self._scatter(sub, numel, seed, out)
+        return None if sub is None else self._scatter(sub, numel, seed, out)
 
     def _encode(self, v: torch.Tensor, ctx: EncodeContext) -> dict[str, torch.Tensor]:
         if ctx.shared["scale_index"] is not ctx.own["scale_index"].value:

@@ -153,9 +153,7 @@ class SummableQuantizer(Quantizer):
         if out is not None:
             _check_out(out, like, total.device)
             flat = out.view(-1)
-        res = None
-        if total.dtype == torch.uint8:
-            res = self._decode_field_sum(total, dict(shared), count, n, shared_seed, flat)
+        res = self._decode_field_sum(total, dict(shared), count, n, shared_seed, flat)
         if res is None:
             codes = total.to(torch.int64) - count * self.max_code
             res = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
@@ -173,8 +171,9 @@ class SummableQuantizer(Quantizer):
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int, shared_seed: Optional[int],
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The average from a uint8 sum of fields in one pass (into ``out`` where given: flat
-        float32), or None where the scheme has no such decode (then the codes' decode serves)."""
+        """The average from a sum of fields (uint8, or a wider integer dtype where ``2·M·s > 255``)
+        in one pass (into ``out`` where given: flat float32), or None where the scheme has no such
+        decode for ``total``'s dtype (then the codes' decode serves)."""
         return None
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:

@@ -173,7 +173,10 @@ class TernGrad(SummableQuantizer):
     def _decode_field_sum(self, total: torch.Tensor, shared: Mapping[str, torch.Tensor], count: int,
                           numel: int, shared_seed: Optional[int],
                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        return kernels.uniform_decode(total, shared["scale"].to(torch.float32), count, self.bucket, 8, numel, out=out)
+        scale = shared["scale"].to(torch.float32)
+        if total.dtype != torch.uint8:   # (a sum wider than a byte: more than 127 workers)
+            return kernels.uniform_decode_sum(total, scale, count, self.bucket, numel, out=out)
+        return kernels.uniform_decode(total, scale, count, self.bucket, 8, numel, out=out)
 
     def _decode_codes(self, codes: torch.Tensor, shared: Mapping[str, torch.Tensor], numel: int,
                       shared_seed: Optional[int]) -> torch.Tensor:
