@@ -818,13 +818,16 @@ def _larger_scales(stats) -> dict:
 @pytest.mark.parametrize("spec", ["maxnorm:bits=4,bucket=64", "multiscale:bucket=64", "multiscale:bits=3+5+8",
                                   "randk-multiscale:ratio=0.3"])
 def test_summable_fields_match(spec, triton_backend):
-    """The all-reduce's fields (own statistics, and shared ones of a reduction: larger scales) and
-    the average from their sum: the torch reference's, bit for bit."""
+    """The all-reduce's fields (own statistics, and shared ones of a reduction: larger scales; also
+    into an unaligned slice of a buffer) and the average from their sum: the torch reference's, bit
+    for bit."""
     q = gradq.build(spec)
     x = data(500, 6)
     stats = q.shared_stats(x, shared_seed=11)
     shared = _larger_scales(stats)
     fields = [q.encode_fields(x, seed=3, shared_seed=11), q.encode_fields(x, seed=3, shared=shared, shared_seed=11)]
+    buf = torch.zeros(q.num_codes(x.numel()) + 1, dtype=torch.uint8)   # (the pooled buffer's unaligned slice)
+    assert same(q.encode_fields(x, seed=3, shared=shared, shared_seed=11, out=buf[1:]), fields[1])
     total = (fields[1].to(torch.int32) * 2).to(torch.uint8)   # two workers with the same fields
     avg = q.decode_field_sum(total, shared=shared, count=2, like=x, shared_seed=11)
     kernels.set_backend("torch")

@@ -387,12 +387,14 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[i
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels: Sequence[int],
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """MultiScale's ``(packed fields, packed indices or None)`` under the shared scales and indices
     (``index=None``: each value's own, computed as it is encoded, with no input-sized temporary).
     ``check=False``: a shared index above this worker's own is not refused (its code saturates), for
-    a caller that made the MIN over workers itself; the check is a host read on a GPU."""
-    return _impl("multiscale_encode", x)(x, scales, index, levels, bucket, width, index_width, rng, check)
+    a caller that made the MIN over workers itself; the check is a host read on a GPU. ``out``: a
+    contiguous uint8 tensor for the packed fields."""
+    return _impl("multiscale_encode", x)(x, scales, index, levels, bucket, width, index_width, rng, check, out)
 
 
 def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales: torch.Tensor,

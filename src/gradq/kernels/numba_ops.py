@@ -414,7 +414,8 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Op
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels,
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """As :func:`gradq.kernels.reference.multiscale_encode` (``index=None``: the kernel computes
     each value's own index, a chunk at a time)."""
     xv = _vec(x, "x", torch.float32)
@@ -423,7 +424,7 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[tor
     iv = np.empty(0, np.uint8) if index is None else _vec(index, "index", torch.uint8)
     if index is not None and iv.size != n:
         raise ValueError(f"expected {n} scale indices, got {iv.size}")
-    codes = torch.empty((n * _width(width) + 7) // 8, dtype=torch.uint8)
+    codes = _out(out, (n * _width(width) + 7) // 8, torch.uint8)
     packed_index = torch.empty((n * index_width + 7) // 8, dtype=torch.uint8) if index_width else None
     k1, k2, ctr0 = _stream(rng, n)
     if n:

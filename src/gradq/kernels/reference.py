@@ -369,7 +369,8 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels: Sequence[i
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels: Sequence[int],
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(packed fields s_1 + c, packed indices or None)`` of ``x`` under the shared per-bucket
     ``scales`` and per-coordinate ``index`` (uint8, the MIN over workers): ``c = sgn(x)·min(floor(
     float32(s_idx)·|x|/w + u), s_1)``, ``u`` from ``rng`` (advanced by ``n``). A shared index above
@@ -391,7 +392,7 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[tor
     mag = stochastic_round(a, _stream(rng)).clamp_(max=s1).to(torch.int32)
     codes = torch.where(v < 0, -mag, mag)
     packed_index = pack_bits(index.reshape(-1), index_width) if index_width else None
-    return pack_bits(codes + s1, width), packed_index
+    return _into(pack_bits(codes + s1, width), out), packed_index
 
 
 def multiscale_dequantize(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, levels: Sequence[int],

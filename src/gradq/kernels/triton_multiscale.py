@@ -230,7 +230,8 @@ def multiscale_indices(x: torch.Tensor, scales: torch.Tensor, levels, bucket: Op
 
 def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[torch.Tensor], levels,
                       bucket: Optional[int], width: int, index_width: int,
-                      rng: RngLike, check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      rng: RngLike, check: bool = True,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """As :func:`gradq.kernels.reference.multiscale_encode` (``index=None``: each value's own index,
     computed in the kernel)."""
     xv = _flat(x, "x", torch.float32)
@@ -242,7 +243,7 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[tor
     if not own and iv.numel() != n:
         raise ValueError(f"expected {n} scale indices, got {iv.numel()}")
     nbytes, ibytes = (n * _width(width) + 7) // 8, (n * index_width + 7) // 8
-    codes = torch.empty(nbytes, dtype=torch.uint8, device=xv.device)
+    codes = _out(out, nbytes, torch.uint8, xv.device).view(-1)
     packed_index = torch.empty(ibytes, dtype=torch.uint8, device=xv.device) if index_width else None
     k1, k2, ctr0 = _stream(rng, n)
     if n:

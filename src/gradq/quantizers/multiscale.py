@@ -138,8 +138,8 @@ class MultiScale(SummableQuantizer):
     def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
         return _own_as_given(own)
 
-    def _fields_of(self, v: torch.Tensor, ctx: EncodeContext,
-                   wide: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    def _fields_of(self, v: torch.Tensor, ctx: EncodeContext, wide: bool = False,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """``(codes, packed indices or None, scales)`` of the encode: the codes ``s_1 + c`` packed at
         the payload's width, or with ``wide`` a byte a value and no indices (the all-reduce's fields;
         the same randomness, so the same values)."""
@@ -150,11 +150,12 @@ class MultiScale(SummableQuantizer):
             index = None
         # (trusted: the caller reduced the shared indices with this worker's own, so none is above it)
         codes, packed = kernels.multiscale_encode(v, w, index, self.levels, self.bucket, 8 if wide else self.width,
-                                                  0 if wide else self.index_width, ctx.rng, check=not ctx.trusted)
+                                                  0 if wide else self.index_width, ctx.rng, check=not ctx.trusted,
+                                                  out=out)
         return codes, packed, w
 
     def _fields(self, v: torch.Tensor, ctx: EncodeContext, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        return self._fields_of(v, ctx, wide=True)[0]
+        return self._fields_of(v, ctx, wide=True, out=out)[0]
 
     def _codes(self, v: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
         return self._fields(v, ctx).to(torch.int32) - self.s1
