@@ -264,3 +264,25 @@ def test_the_fields_benchmark_runs_and_checks_its_decode(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| maxnorm", "| multiscale",
                                                                                       "| randk"))]
     assert len(rows) == 3 and "int32" in rows[0] and "uint8" in rows[1], rows
+
+
+@pytest.mark.parametrize("spec", ["none", "bf16", "maxnorm:bits=4"])
+def test_decode_codes_into_out(spec):
+    """``decode_codes(out=)`` (the all-reduce's codes path: a cast's, or a scheme's without fields):
+    the average of the call without it, divided straight into ``out`` (a cast's float32 sum makes
+    no tensor of its size); ``out`` needs ``like``."""
+    n, m = 3001, 3
+    q = gradq.build(spec)
+    xs = workers(n, m)
+    stats = [q.shared_stats(x) for x in xs]
+    shared = reduced(stats)
+    codes = torch.stack([q.encode_codes(x, shared=shared, seed=r) for r, x in enumerate(xs)]).sum(0)
+    want = q.decode_codes(codes, shared=shared, count=m, like=xs[0])
+    out = torch.full((n,), float("nan"))
+    with NewStorage() as made:
+        got = q.decode_codes(codes, shared=shared, count=m, like=xs[0], out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    if spec == "none":
+        assert made.largest < 4 * n, made.largest
+    with pytest.raises(ValueError, match="like="):
+        q.decode_codes(codes, shared=shared, count=m, numel=n, out=out)

@@ -196,7 +196,7 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     ``outs``: where to write each average (``None`` entries: a new tensor), for instance ``xs``
     themselves, which the encodes have read by then (the DDP hook's bucket views). Schemes with a
     fields path decode the sum straight into a float32 one (no input-sized allocation, whose page
-    faults cost a CPU about four times the decode); the others copy their result there."""
+    faults cost a CPU about four times the decode); the codes' decodes divide into it."""
     from . import derive_seed
 
     n = len(xs)
@@ -293,14 +293,14 @@ def shared_scale_allreduce_many(xs: Sequence[torch.Tensor], q: Quantizer, *, gro
     with decoding(counts):
         for i, x in enumerate(xs):
             o = into[i]
-            direct = o is not None and totals[i][1] and o.dtype == torch.float32 == x.dtype and o.is_contiguous() \
-                and o.numel() == x.numel() and o.device == x.device
+            direct = o is not None and o.dtype == torch.float32 == x.dtype and o.is_contiguous() \
+                and o.numel() == x.numel() and o.device == summed[i].device
             if totals[i][1]:
                 avg = q.decode_field_sum(summed[i], shared=reduced[i], count=world, like=x,
                                          shared_seed=shared_seeds[i], out=o if direct else None)
             else:
                 avg = q.decode_codes(summed[i], shared=reduced[i], count=world, like=x,  # type: ignore[attr-defined]
-                                     shared_seed=shared_seeds[i])
+                                     shared_seed=shared_seeds[i], out=o if direct else None)
             if o is not None and not direct:
                 avg = o.copy_(avg.reshape(o.shape))
             res.append(avg)

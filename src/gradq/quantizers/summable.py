@@ -72,16 +72,24 @@ class SummableQuantizer(Quantizer):
 
     def decode_codes(self, codes: torch.Tensor, *, shared: Mapping[str, torch.Tensor], count: int = 1,
                      like: Optional[torch.Tensor] = None, numel: Optional[int] = None,
-                     shared_seed: Optional[int] = None) -> torch.Tensor:
+                     shared_seed: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The average of ``count`` workers' decoded tensors, from the SUM of their codes.
 
-        ``like`` (a tensor of the original shape/dtype) or ``numel`` gives the output size."""
+        ``like`` (a tensor of the original shape/dtype) or ``numel`` gives the output size. ``out``:
+        as in :meth:`decode_field_sum` (needs ``like``); the division by ``count`` writes there."""
         if count < 1:
             raise ValueError("count must be >= 1")
         if like is not None:
             numel = like.numel()
         if numel is None:
             raise ValueError("pass like= or numel=")
+        if out is not None:
+            if like is None:
+                raise ValueError("out= needs like=")
+            _check_out(out, like, codes.device)
+            v = self._decode_codes(codes.to(torch.float32), dict(shared), int(numel), shared_seed)
+            torch.div(v.reshape(-1), count, out=out.view(-1))
+            return out.view(like.shape)
         v = self._decode_codes(codes.to(torch.float32), dict(shared), int(numel), shared_seed) / count
         if like is not None:
             return v.reshape(like.shape).to(like.dtype)
