@@ -4,9 +4,12 @@ For each summable scheme, as the DDP hook calls them (unchecked, ``own=`` the st
 ones are reduced from): its statistics (``shared_stats``), its one-byte fields under them
 (``encode_fields`` into a buffer, as the protocol pools every tensor's fields) and the mean of two
 workers' fields from their sum (``decode_field_sum`` into a touched ``out=``, checks deferred, as the
-protocol decodes). Each figure is a median in ms and its ratio to a ``copy_`` of the input (higher is
-faster), with the peak extra memory of the fields' encode (on CUDA ``max_memory_allocated``; on a
-CPU the peak RSS growth) as a multiple of the fields' bytes::
+protocol decodes), and a step as the protocol makes it (statistics, then fields). Each figure is a
+median in ms and its ratio to a ``copy_`` of the input (higher is faster), with the peak extra
+memory of the fields' encode (on CUDA ``max_memory_allocated``; on a CPU the peak RSS growth) as a
+multiple of the fields' bytes. Error feedback is timed after two such steps (its spare buffers
+exist then, as in training); its statistics and fields alone are not a step's parts there (repeated
+statistics of one ``x`` reuse the ``x + e`` they made), so read its step column::
 
     python benchmarks/bench_fields.py                      # 25M values on the CPU
     python benchmarks/bench_fields.py --device cuda --n 25000000 --repeats 7
@@ -44,9 +47,16 @@ def row(spec: str, x: torch.Tensor, dst: torch.Tensor, t_copy: float, repeats: i
     def encode():
         return q.encode_fields(x, shared=shared, seed=1, check_finite=False, own=stats, out=buf, **kw)
 
+    def step():
+        st = q.shared_stats(x, check_finite=False, **kw)
+        return q.encode_fields(x, shared={k: s.value for k, s in st.items()}, seed=1, check_finite=False, own=st,
+                               out=buf, **kw)
+
     fields = encode()
     if fields is None:
-        return f"| {q.spec} | no fields path | | | | |"
+        return f"| {q.spec} | no fields path | | | | | |"
+    step()
+    step()   # (error feedback: its spare buffers exist from here on)
     narrow = 2 * WORKERS * q.max_code <= 255
     total = (fields.to(torch.int32) * WORKERS)
     total = total.to(torch.uint8) if narrow else total
@@ -66,8 +76,9 @@ def row(spec: str, x: torch.Tensor, dst: torch.Tensor, t_copy: float, repeats: i
     t_stats = device_time(lambda: q.shared_stats(x, check_finite=False, **kw), repeats, x.device, batch)
     t_enc = device_time(encode, repeats, x.device, batch)
     t_dec = device_time(decode, repeats, x.device, batch)
+    t_step = device_time(step, repeats, x.device, batch)
     _, peak = peak_extra(encode, x.device)
-    cells = [f"{t * 1e3:.2f} ({t_copy / t:.2f}×)" for t in (t_stats, t_enc, t_dec)]
+    cells = [f"{t * 1e3:.2f} ({t_copy / t:.2f}×)" for t in (t_stats, t_enc, t_step, t_dec)]
     return f"| {q.spec} | {' | '.join(cells)} | {peak / max(1, buf.numel()):.2f} | {'uint8' if narrow else 'int32'} |"
 
 
@@ -91,9 +102,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"n = {args.n:,} float32 values on {name}; torch {torch.__version__}; a copy_ of the input "
           f"{t_copy * 1e3:.2f} ms; the mean of {WORKERS} workers' fields\n")
-    print("| spec | statistics ms (× copy) | fields ms (× copy) | mean of the sum ms (× copy) "
+    print("| spec | statistics ms (× copy) | fields ms (× copy) | a step: both (× copy) | mean of the sum ms (× copy) "
           "| encode peak ÷ fields | sum |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for spec in args.spec or SPECS:
         print(row(spec, x, dst, t_copy, args.repeats, batch), flush=True)
 
