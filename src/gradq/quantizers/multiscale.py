@@ -64,14 +64,6 @@ def multiscale_levels(bits: Sequence[int]) -> tuple[int, ...]:
     return tuple(levels_from_bits(b) for b in bits)
 
 
-def _own_as_given(own: Mapping[str, SharedStat]) -> dict[str, SharedStat]:
-    """``own=`` (this worker's :meth:`shared_stats`: its norms and its indices as a tensor) as the
-    encode's own statistics, instead of a pass for the norms: the encode compares its own indices
-    with the shared ones by identity alone, and under the protocol's shared indices the kernels check
-    each value against those."""
-    return dict(own)
-
-
 @register("multiscale")
 class MultiScale(SummableQuantizer):
     """QSGDMaxNormMultiScale: per-coordinate choice among several scales, summable via scale sharing.
@@ -136,7 +128,10 @@ class MultiScale(SummableQuantizer):
         return {"scale": SharedStat(self._norms(v), "max"), "scale_index": SharedStat(index, "min")}
 
     def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
-        return _own_as_given(own)
+        # own= (its norms, and its indices as a tensor) serves as it is: the encode compares its own
+        # indices with the shared ones by identity alone, and the kernels check each value against
+        # the protocol's shared ones
+        return dict(own)
 
     def _fields_of(self, v: torch.Tensor, ctx: EncodeContext, wide: bool = False,
                    out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -415,7 +410,10 @@ class RandKMultiScale(_GlobalRandK):
         return {"scale": SharedStat(w, "max"), "scale_index": SharedStat(index, "min")}
 
     def _take_own(self, own: Mapping[str, SharedStat], ctx: EncodeContext) -> Optional[dict[str, SharedStat]]:
-        return _own_as_given(own)
+        # own= (its norms, and its indices as a tensor) serves as it is: the encode compares its own
+        # indices with the shared ones by identity alone, and the kernels check each value against
+        # the protocol's shared ones
+        return dict(own)
 
     # the all-reduce's fields: MultiScale's of the selected sub-vector (a byte s_1 + c each), and
     # their sum's average scattered

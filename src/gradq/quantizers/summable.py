@@ -156,15 +156,14 @@ class SummableQuantizer(Quantizer):
             raise ValueError("count must be >= 1")
         if self.needs_shared_seed and shared_seed is None:
             raise ValueError(f"{self.name}: decode_field_sum needs the fields' shared_seed=")
-        n = like.numel()
         flat = None
         if out is not None:
             _check_out(out, like, total.device)
             flat = out.view(-1)
-        res = self._decode_field_sum(total, dict(shared), count, n, shared_seed, flat)
-        if res is None:
-            codes = total.to(torch.int64) - count * self.max_code
-            res = self._decode_codes(codes.to(torch.float32), dict(shared), n, shared_seed) / count
+        res = self._decode_field_sum(total, dict(shared), count, like.numel(), shared_seed, flat)
+        if res is None:   # (the codes' decode, dividing into out where given)
+            return self.decode_codes(total.to(torch.int64) - count * self.max_code, shared=shared, count=count,
+                                     like=like, shared_seed=shared_seed, out=out)
         if flat is not None:
             if res.data_ptr() != flat.data_ptr():   # (a decode that made a tensor of its own)
                 flat.copy_(res.reshape(-1))
