@@ -58,11 +58,11 @@ GROUPS = {
                                          for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "randk": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6", "randk:ratio=0.01"],
               "_randk_\\w+_kernel",
-              [dict(randk_path=2)] + [dict(randk_path=1, randk_elems=e, randk_warps=w)
-                                       for e in (2048, 4096, 8192, 16384) for w in (4, 8)]),
+              [dict(randk_path=2)] + [dict(randk_path=1, randk_elems=e, randk_warps=4, randk_bins=b)
+                                       for e in (8192, 16384) for b in (64, 256, 2048)]),
     "topk": (["topk:ratio=0.01", "topk:ratio=0.001"], "_topk_\\w+_kernel",
              [dict(topk_path=2)] + [dict(topk_path=1, topk_elems=e, topk_warps=w, topk_bins=b)
-                                     for e in (4096, 8192, 16384) for w in (4, 8) for b in (256, 2048)]),
+                                     for e in (4096, 8192) for w in (4,) for b in (64, 256, 2048)]),
     "fused": (["qsgd:bits=4,bucket=512"], "_norm_uniform_encode_kernel",
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",

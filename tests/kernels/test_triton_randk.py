@@ -25,6 +25,7 @@ from gradq.random import RandomStream
 
 T = pytest.importorskip("gradq.kernels.triton_ops", reason="triton is not installed")
 from gradq.kernels import triton_randk as K  # noqa: E402
+from gradq.kernels import triton_randk_values as V  # noqa: E402
 from gradq.kernels import triton_subset as S  # noqa: E402
 from test_triton_kernels import data, first_difference, same  # noqa: E402
 
@@ -318,9 +319,10 @@ def test_rand_k_through_the_api(spec, fresh, monkeypatch):
 
     ref_payloads, ref = run(False)
     monkeypatch.setattr(R, "random_subset", _refuse)   # (the shared seed's: selected on the device)
-    real = S.random_subset
+    monkeypatch.setattr(S, "random_subset", _refuse)   # (and the indices written from it, no candidates)
+    real = V.subset_indices
     asked = []
-    monkeypatch.setattr(S, "random_subset", lambda *a: asked.append(a[2]) or real(*a))
+    monkeypatch.setattr(V, "subset_indices", lambda *a: asked.append(a[2]) or real(*a))
     payloads, got = run(True)
     for p, r in zip(payloads, ref_payloads):
         assert p.same_bytes(r), first_difference(p, r)

@@ -407,12 +407,17 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
 def random_subset(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """RandK's and GlobalRandK's shared selection: ``k`` of ``range(n)`` by the smallest random keys,
     sorted int64 on ``device``, the same on every device (:func:`gradq.kernels.reference.random_subset`).
-    On the CPU a numba selection; with the Triton backend a candidate pass on the device
-    (:mod:`gradq.kernels.triton_subset`); elsewhere the reference (torch's ``topk`` on the device)."""
+    On the CPU a numba selection; with the Triton backend the indices written from the implicit
+    subset (:func:`gradq.kernels.triton_randk_values.subset_indices`: no host read), or where that
+    declines a candidate pass on the device (:mod:`gradq.kernels.triton_subset`: one host read);
+    elsewhere the reference (torch's ``topk`` on the device)."""
+    if k < 0 or k > n:
+        raise ValueError(f"cannot choose k={k} coordinates out of n={n}")
     b = backend_for(torch.empty(0, device=device))
     if b == "triton":
-        from . import triton_subset
-        return triton_subset.random_subset(n, k, seed, device)
+        from . import triton_randk_values, triton_subset
+        got = triton_randk_values.subset_indices(n, k, seed, device)
+        return got if got is not None else triton_subset.random_subset(n, k, seed, device)
     return (subset if b == "numba" else reference).random_subset(n, k, seed, device)
 
 

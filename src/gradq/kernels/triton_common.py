@@ -154,6 +154,9 @@ if INTERPRETED and _Interpreted is not None:
 #: made the one-bit statistics kernel 2.7–3.7× faster than two on 1,024; the one-pass QSGD encode
 #: on 1,024 values and four warps (fewer values a thread, fewer registers) took 1.11–1.18× less
 #: device time than on 2,048 and two at 2 and 8 bits and with the L2 norm, the same at 4 bits.
+#: An H200 (2026-11-29, "Fifth GPU session" there) chose the one-bit statistics' tail launch, the
+#: radix selects' bins (Top-K's 64 against 2,048: 5.5× less device time; Rand-K's 256: 2.5×) and
+#: TernGrad's merge tree.
 TUNING = {
     "groups": 64,           # groups of 8 fields (or 5 trits) a program: the element-wise encodes, decodes
     "groups_warps": 2,
@@ -162,25 +165,26 @@ TUNING = {
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
     "stats_warps": 1,
     "stats_passes": 1,      # reads of x in the one-bit encodes: 1, the bits in the statistics' pass; 2, a pass each
-    "stats_tail": 1,        # a partial last bucket's statistics: 1, the launch's last program; 2, a launch of
-                            # its own (the main one then needs fewer registers: SignSGD's 65 against 127; not yet
-                            # timed on a GPU)
+    "stats_tail": 2,        # a partial last bucket's statistics: 1, the launch's last program; 2, a launch of
+                            # its own (the main one then needs fewer registers: SignSGD's 65 against 127; on an
+                            # H200 1.13-1.25x less device time for the three one-bit encodes)
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
     "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
     "maxabs_elems": 4096,   # values a program in the max-abs pass (MaxNorm's, MultiScale's, bucketed TernGrad's)
-    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (not yet on a GPU); 2, a merge tree
-    "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (not yet on a GPU); 2, torch's topk of n keys
+    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (1.5x slower on an H200); 2, a tree
+    "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (or the implicit subset); 2, torch's topk
     "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
     "subset_warps": 4,      # against 182 with 4,096)
-    "randk_path": 1,        # RandK-MaxNorm: 1, an implicit subset (gradq.kernels.triton_randk; not yet on a
-    "randk_elems": 8192,    # GPU); 2, the indices and a gather. Counters a program there (one int32 of running
-    "randk_warps": 4,       # sums a program is kept per selection; it loops over 1,024 at a time)
-    "topk_path": 1,         # Top-K's selection: 1, a radix select on the device (gradq.kernels.triton_topk; not
-    "topk_elems": 8192,     # yet on a GPU); 2, torch's topk of n int64 keys. Values a program in its passes,
-    "topk_warps": 4,        # 1,024 at a time,
-    "topk_bins": 2048,      # and bins a level of the radix select (11 bits a level: 31 in three)
+    "randk_path": 1,        # the Rand-K family: 1, an implicit subset (gradq.kernels.triton_randk: no host read);
+    "randk_elems": 8192,    # 2, the candidates' indices (a host read each selection) and a gather. Counters a
+    "randk_warps": 4,       # program there (one int32 of running sums a program is kept per selection; it loops
+    "randk_bins": 256,      # over 1,024 at a time), and at most this many bins a level of its radix select
+    "topk_path": 1,         # Top-K's selection: 1, a radix select on the device (gradq.kernels.triton_topk; 3.5x
+    "topk_elems": 4096,     # less device time than 2 on an H200); 2, torch's topk of n int64 keys. Values a
+    "topk_warps": 4,        # program in its passes, 1,024 at a time,
+    "topk_bins": 64,        # and bins a level of the radix select (6 bits a level: 31 in six)
     "read_bits": 256,       # stream bits a lane in the Elias reader (gradq.kernels.triton_elias_read;
     "read_warps": 1,        # 32 lanes a warp, not yet on a GPU)
     "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)

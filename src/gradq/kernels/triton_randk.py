@@ -319,9 +319,11 @@ def _levels(bits: int, width: int) -> list[int]:
 
 def _bin_bits(k: int) -> int:
     """Bits a histogram level: the more, the fewer levels (two launches each) cover a draw's 32
-    bits; few enough that the histogram stays small beside a payload of ``k`` fields (2,048 bins,
-    three levels, from ``k`` ≈ 2¹⁸; 64 bins, six levels, below ``k`` ≈ 2¹³)."""
-    return max(6, min(11, k.bit_length() - 7))
+    bits, but the top level's register histogram costs about its bins a draw, so at most
+    ``TUNING["randk_bins"]``; and few enough that the histogram stays small beside a payload of
+    ``k`` fields (64 bins, six levels, below ``k`` ≈ 2¹³)."""
+    top = max(6, TUNING["randk_bins"].bit_length() - 1)
+    return max(6, min(top, k.bit_length() - 7))
 
 
 def selection(n: int, k: int, seed: int, device: torch.device) -> Optional[Selection]:
@@ -330,7 +332,8 @@ def selection(n: int, k: int, seed: int, device: torch.device) -> Optional[Selec
     selection's passes, the same one again reuses them (one entry is kept)."""
     global _LAST
     block = TUNING["randk_elems"]
-    key = (n, k, int(seed), torch.device(device), block, TUNING["subset_path"], TUNING["randk_path"])
+    key = (n, k, int(seed), torch.device(device), block, TUNING["subset_path"], TUNING["randk_path"],
+           TUNING["randk_bins"])
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]

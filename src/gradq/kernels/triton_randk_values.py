@@ -10,6 +10,9 @@ its position in the sub-vector.
 
 * :func:`subset_gather` writes ``x[o]`` of every selected coordinate ``o`` at its position ``j``:
   the payload's values, and nothing else the size of ``k`` or ``n``.
+* :func:`subset_indices` writes ``o`` of every selected coordinate at its position: the sorted
+  indices themselves, for the callers that need them (:func:`gradq.kernels.random_subset`), with
+  no host read.
 * :func:`subset_scatter` writes every coordinate of ``out``: ``values[j]`` (times ``float32(n/k)``
   with ``rescale``) at the selected, ``+0.0`` elsewhere; or, with ``subtract``, ``out[o] −
   values[j]`` (rescaled first) at the selected and nothing elsewhere (``u − 0.0`` is ``u``), which
@@ -37,6 +40,16 @@ def _randk_gather_kernel(x_ptr, vals_ptr, incl_ptr, n, k1, k2, t_ptr, BLOCK: tl.
         o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
         j, before = _places(sel, before)
         tl.store(vals_ptr + j, tl.load(x_ptr + o, mask=sel, other=0.0), mask=sel)
+
+
+@_jit
+def _randk_index_kernel(idx_ptr, incl_ptr, n, k1, k2, t_ptr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """``idx[j] = o`` for each selected counter ``o`` at its position ``j``: the sorted indices."""
+    before = _start(incl_ptr)
+    for c in range(BLOCK // SUB):
+        o, sel = _selected(n, k1, k2, t_ptr, c, BLOCK, SUB)
+        j, before = _places(sel, before)
+        tl.store(idx_ptr + j, o.to(tl.int64), mask=sel)
 
 
 @_jit
@@ -68,6 +81,19 @@ def subset_gather(x: torch.Tensor, k: int, seed: int) -> Optional[torch.Tensor]:
     _launch(_randk_gather_kernel, _grid(sel.n, sel.block), xv, vals, sel.incl, *sel.args(), BLOCK=sel.block,
             SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
     return vals
+
+
+def subset_indices(n: int, k: int, seed: int, device: torch.device | str) -> Optional[torch.Tensor]:
+    """``random_subset(n, k, seed)`` (the sorted int64 indices) written from the implicit subset:
+    no host read, and nothing beside the ``8·k`` bytes of the result but the selection's small
+    state; None where the implicit subset does not apply."""
+    sel = selection(n, k, seed, torch.device(device))
+    if sel is None:
+        return None
+    idx = torch.empty(k, dtype=torch.int64, device=device)
+    _launch(_randk_index_kernel, _grid(n, sel.block), idx, sel.incl, *sel.args(), BLOCK=sel.block,
+            SUB=_sub(sel.block), num_warps=TUNING["randk_warps"])
+    return idx
 
 
 def subset_scatter(values: torch.Tensor, k: int, seed: int, n: int, rescale: bool,

@@ -9,7 +9,7 @@ stay implicit:
 * **The k-th largest magnitude.** A coordinate's magnitude bits ``m_i = bits(x_i) & 0x7FFFFFFF``
   order as ``|x_i|`` (NaN above +Inf), so with ``u_i = 0x7FFFFFFF − m_i`` the ``k`` largest
   magnitudes are the ``k`` smallest ``u``. A radix select finds the ``k``-th smallest ``u``, ``t``,
-  eleven bits at a time (``TUNING["topk_bins"]``): a pass over ``x`` counts each program's values with the bits picked so far
+  six bits at a time (``TUNING["topk_bins"]``): a pass over ``x`` counts each program's values with the bits picked so far
   in a histogram of the next bits (``tl.histogram`` in registers, then one atomic add a bin a
   program into the global histogram), and a one-program pass picks the bin that holds the
   ``k``-th on the device (:func:`gradq.kernels.triton_randk._randk_pick_kernel`, shared with

@@ -252,19 +252,18 @@ class _GlobalRandK(SummableQuantizer):
         return lambda: self.coordinates(numel, seed, device)
 
     def _select(self, v: torch.Tensor, shared_seed: Optional[int]) -> torch.Tensor:
-        return v[self.coordinates(v.numel(), self._need_seed(shared_seed), v.device)]
+        """The selected entries of ``v`` in increasing position (Rand-K's gather: on the Triton
+        backend without the indices, so without a host read)."""
+        seed = self._need_seed(shared_seed)
+        n = v.numel()
+        return kernels.subset_gather(v, self.num_selected(n), seed, self._indices(n, seed, v.device))
 
     def _scatter(self, sub: torch.Tensor, numel: int, shared_seed: int,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The decoded selected entries ``sub`` at their coordinates, zeros elsewhere, in ``out`` (a
-        flat float32 tensor) or a new tensor."""
-        if out is None:
-            out = torch.empty(numel, dtype=torch.float32, device=sub.device)
-        idx = self.coordinates(numel, shared_seed, out.device)
-        out.zero_()
-        if idx.numel():
-            out[idx] = (sub * (numel / idx.numel()) if self.rescale else sub).to(out.device)
-        return out
+        """The decoded selected entries ``sub`` at their coordinates (times ``n/K`` with ``rescale``),
+        zeros elsewhere, in ``out`` (a flat float32 tensor) or a new tensor."""
+        return kernels.subset_scatter(sub, self.num_selected(numel), shared_seed, numel, self.rescale,
+                                      self._indices(numel, shared_seed, sub.device if out is None else out.device), out)
 
     def _shared_stats(self, v: torch.Tensor, shared_seed: Optional[int]) -> dict[str, SharedStat]:
         return self.inner._shared_stats(self._select(v, shared_seed), None)
