@@ -382,7 +382,7 @@ def test_codec_times_take_the_encode_the_hook_makes(tmp_path):
     assert pm.load_codec_times(path).lookup("terngrad") == (0.2, 0.03)
 
 
-@pytest.mark.parametrize("which, device", [("default", "CPU"), ("h100", "H100")])
+@pytest.mark.parametrize("which, device", [("default", "CPU"), ("h100", "H100"), ("h200", "H200")])
 def test_shipped_codec_times_cover_the_papers_schemes(which, device):
     times = pm.codec_times_from(which)
     assert device in times.device_name

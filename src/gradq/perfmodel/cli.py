@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--codec-times", default="default", metavar="FILE",
                    help="measured encode/decode speeds per spec: the JSON of `python benchmarks/bench_codecs.py "
                         "--memory --json FILE`; 'default' (the default) is the CPU measurement shipped with gradq, "
-                        "'h100' the H100 one (Triton kernels), 'none' charges no codec time; --encode-ms... flags override it")
+                        "'h100' and 'h200' the GPU ones (Triton kernels), 'none' charges no codec time; --encode-ms... flags override it")
     q.add_argument("--protocol", choices=PROTOCOLS, default="allreduce", help="default: allreduce")
     q.add_argument("--formula", choices=FORMULAS, default="ring",
                    help="ring: two-level ring α–β (default); paper002: [Vineeth]'s tree formula")

@@ -8,8 +8,8 @@ once ``n`` is far above a bucket (the benchmark uses 25M values).
 ``gradq perfmodel`` uses the file shipped with the package (:data:`DEFAULT_CODEC_TIMES`, measured on a
 2-core CPU with the numba kernels, see ``docs/performance.md``) unless ``--codec-times FILE`` names
 another — measure your own device with ``bench_codecs.py --memory --device cuda --json FILE`` — or
-``--codec-times none`` asks for no codec time; ``--codec-times h100`` uses the shipped H100
-measurement (Triton kernels, 2026-11-26). The shipped CPU figures overstate a GPU's codec time, so
+``--codec-times none`` asks for no codec time; ``--codec-times h100`` and ``--codec-times h200`` use
+the shipped H100 and H200 measurements (Triton kernels, 2026-11-27 and 2026-11-29). The shipped CPU figures overstate a GPU's codec time, so
 a projection with them is conservative for compression.
 """
 
@@ -22,12 +22,15 @@ from typing import Optional, Union
 
 from .units import PerfModelError
 
-__all__ = ["CodecTimes", "load_codec_times", "DEFAULT_CODEC_TIMES", "H100_CODEC_TIMES", "codec_times_from"]
+__all__ = ["CodecTimes", "load_codec_times", "DEFAULT_CODEC_TIMES", "H100_CODEC_TIMES", "H200_CODEC_TIMES",
+           "codec_times_from"]
 
 #: the measurement shipped with gradq (CPU, numba kernels); see the module docstring
 DEFAULT_CODEC_TIMES = Path(__file__).with_name("codec_times_cpu.json")
 #: the same benchmark on an NVIDIA H100 (Triton kernels), shipped too: ``--codec-times h100``
 H100_CODEC_TIMES = Path(__file__).with_name("codec_times_h100.json")
+#: and on an NVIDIA H200 (Triton kernels, 2026-11-29): ``--codec-times h200``
+H200_CODEC_TIMES = Path(__file__).with_name("codec_times_h200.json")
 _FORMAT = "gradq-codec-times/1"
 
 
@@ -111,11 +114,11 @@ def load_codec_times(path: Union[str, Path]) -> CodecTimes:
 
 def codec_times_from(value: Union[None, str, Path, CodecTimes]) -> Optional[CodecTimes]:
     """A :class:`CodecTimes` from ``None``/``"none"`` (no codec time), ``"default"`` (the shipped CPU
-    file), ``"h100"`` (the shipped H100 file), a path, or a :class:`CodecTimes` as it is."""
+    file), ``"h100"`` or ``"h200"`` (the shipped GPU files), a path, or a :class:`CodecTimes` as it is."""
     if value is None or isinstance(value, CodecTimes):
         return value
     text = str(value).strip()
     if text.lower() == "none":
         return None
-    shipped = {"default": DEFAULT_CODEC_TIMES, "h100": H100_CODEC_TIMES}
+    shipped = {"default": DEFAULT_CODEC_TIMES, "h100": H100_CODEC_TIMES, "h200": H200_CODEC_TIMES}
     return load_codec_times(shipped.get(text.lower(), text))
