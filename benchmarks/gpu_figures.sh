@@ -13,7 +13,8 @@
 # Steps: tuning codecs fields codecs50 tests profile nccl hook collectives integrations (tuning, fields,
 # codecs50 and profile only when named in STEPS; codecs50 times a few schemes with 50 calls issued back to back,
 # which shows the device-bound figure where codecs' batches of 5 include the host's time). `tuning` times the Triton launch settings (benchmarks/bench_triton_tuning.py) and,
-# unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found;
+# unless GRADQ_TRITON_TUNING is set already, the later steps run with the best ones it found (but `tests`, which
+# checks the shipped settings: a tuned choice may trade a host read for device time);
 # `profile` runs Nsight Compute (ncu, where installed) on one launch of the main encode kernels and of the Elias reader. Each runs under its own time limit
 # (LIMIT_<step> seconds, defaults below), cut to what is left of END seconds (whole script; a step
 # with under 30 s left is skipped), and writes $OUT/<step>.log, kept even when the step fails;
@@ -53,7 +54,7 @@ step codecs 200 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeat
 step fields 60 "$PY" benchmarks/bench_fields.py --device cuda --repeats 5   # the all-reduce's codec
 step codecs50 90 "$PY" benchmarks/bench_codecs.py --memory --device cuda --repeats 5 --batch 50 \
   --spec qsgd:bits=4,bucket=512 --spec signsgd --spec orq:levels=5 --spec qsgd:bits=4,coding=elias   # the device-bound figure
-step tests 150 "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+step tests 150 env -u GRADQ_TRITON_TUNING "$PY" -m pytest -q -n "${GPU_TESTS_N:-8}" -m gpu -rfE --tb=short -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
   tests/kernels/test_triton_kernels.py tests/kernels/test_triton_randk.py tests/kernels/test_triton_topk.py \
   tests/test_cuda_ranks.py
 if command -v ncu >/dev/null; then

@@ -147,11 +147,13 @@ SCRIPT = textwrap.dedent('''
          BLOCK=C), dict(BLOCK=1024), False),
     ] + [
         ("_randk_hist_kernel", dict(hist_ptr=P32, state_ptr=PI64, n=I, k1=I, k2=I, shift="i32", width="i32",
-         BLOCK=C, SUB=C, BINS=C, FIRST=C), dict(BLOCK=8192, SUB=1024, BINS=2048, FIRST=first), False)
-        for first in (True, False)
+         BLOCK=C, SUB=C, BINS=C, FIRST=C), dict(BLOCK=8192, SUB=1024, BINS=bins, FIRST=first), False)
+        for first in (True, False) for bins in (256, 2048)   # (the shipped bins, and the most)
     ] + [
-        ("_randk_pick_kernel", dict(hist_ptr=P32, state_ptr=PI64, width="i32", need0=I, BINS=C), dict(BINS=2048),
-         False),
+        ("_randk_pick_kernel", dict(hist_ptr=P32, state_ptr=PI64, width="i32", need0=I, BINS=C), dict(BINS=bins),
+         False)
+        for bins in (64, 256, 2048)
+    ] + [
         ("_randk_count_kernel", dict(cnt_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, BLOCK=C, SUB=C), dict(BLOCK=8192, SUB=1024),
          False),
         ("_randk_scan_kernel", dict(cnt_ptr=P32, m=I, CH=C), dict(CH=1024), False),
@@ -184,13 +186,17 @@ SCRIPT = textwrap.dedent('''
     ] + [
         ("_randk_gather_kernel", dict(x_ptr=PF, vals_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, BLOCK=C, SUB=C),
          dict(BLOCK=8192, SUB=1024), False),
+        ("_randk_index_kernel", dict(idx_ptr=PI64, incl_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, BLOCK=C, SUB=C),
+         dict(BLOCK=8192, SUB=1024), False),
     ] + [
         ("_randk_scatter_kernel", dict(vals_ptr=PF, out_ptr=PF, incl_ptr=P32, n=I, k1=I, k2=I, t_ptr=PI64, factor=F,
          RESCALE=C, SUBTRACT=C, BLOCK=C, SUB=C), dict(RESCALE=rescale, SUBTRACT=sub, BLOCK=8192, SUB=1024), False)
         for rescale, sub in ((False, False), (True, True))
     ] + [
         ("_topk_hist_kernel", dict(x_ptr=PF, hist_ptr=P32, state_ptr=PI64, n="i32", shift="i32", width="i32",
-         BLOCK=C, SUB=C, BINS=C), dict(BLOCK=8192, SUB=1024, BINS=2048), False),
+         BLOCK=C, SUB=C, BINS=C), dict(BLOCK=block, SUB=1024, BINS=bins), False)
+        for block, bins in ((4096, 64), (8192, 2048))   # (the shipped shape, and the most bins)
+    ] + [
         ("_topk_count_kernel", dict(x_ptr=PF, cnt_ptr=P32, state_ptr=PI64, n="i32", m="i32", BLOCK=C, SUB=C),
          dict(BLOCK=8192, SUB=1024), False),
         ("_topk_plan_kernel", dict(cnt_ptr=P32, state_ptr=PI64, m="i32", CH=C), dict(CH=1024), False),

@@ -154,9 +154,8 @@ if INTERPRETED and _Interpreted is not None:
 #: made the one-bit statistics kernel 2.7–3.7× faster than two on 1,024; the one-pass QSGD encode
 #: on 1,024 values and four warps (fewer values a thread, fewer registers) took 1.11–1.18× less
 #: device time than on 2,048 and two at 2 and 8 bits and with the L2 norm, the same at 4 bits.
-#: An H200 (2026-11-29, "Fifth GPU session" there) chose the one-bit statistics' tail launch, the
-#: radix selects' bins (Top-K's 64 against 2,048: 5.5× less device time; Rand-K's 256: 2.5×) and
-#: TernGrad's merge tree.
+#: An H200 (2026-11-29, "Fifth GPU session" there) chose the radix selects' bins (Top-K's 64
+#: against 2,048: 5.5× less device time; Rand-K's 256: 2.5×) and TernGrad's merge tree.
 TUNING = {
     "groups": 64,           # groups of 8 fields (or 5 trits) a program: the element-wise encodes, decodes
     "groups_warps": 2,
@@ -165,9 +164,9 @@ TUNING = {
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
     "stats_warps": 1,
     "stats_passes": 1,      # reads of x in the one-bit encodes: 1, the bits in the statistics' pass; 2, a pass each
-    "stats_tail": 2,        # a partial last bucket's statistics: 1, the launch's last program; 2, a launch of
+    "stats_tail": 1,        # a partial last bucket's statistics: 1, the launch's last program; 2, a launch of
                             # its own (the main one then needs fewer registers: SignSGD's 65 against 127; on an
-                            # H200 1.13-1.25x less device time for the three one-bit encodes)
+                            # H200 1.13-1.25x less device time, but a launch more where the host sets the pace)
     "sort_elems": 1024,     # values a program in Linear's levels (whole buckets, padded to powers of two)
     "sort_warps": 2,
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
