@@ -392,9 +392,8 @@ def test_random_subset_in_triton(n, k, seed, elems, monkeypatch):
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("n,k,seed,elems,bins", [
-    (4_097, 2, 7, 4096, 2048), (70_000, 1, 0, 1024, 2048), (300_001, 3_000, -3, 1024, 2048),
-    (20_000, 19_999, 5, 2048, 2048), (1 << 18, 40_000, 2**63 - 1, 4096, 2048), (1 << 18, 40_000, 9, 4096, 256),
-    (1 << 18, 40_000, 9, 4096, 64)])
+    (4_097, 2, 7, 4096, 2048), (70_000, 1, 0, 1024, 2048), (20_000, 19_999, 5, 2048, 2048),
+    (1 << 18, 40_000, 2**63 - 1, 4096, 2048), (1 << 18, 40_000, -3, 1024, 256), (1 << 18, 40_000, 9, 4096, 64)])
 def test_random_subset_from_the_implicit_subset(n, k, seed, elems, bins, triton_backend, monkeypatch):
     """``kernels.random_subset`` on the Triton backend writes the indices from the implicit subset
     (the k-th draw found on the device, positions from the running sums): the reference's, bit for
