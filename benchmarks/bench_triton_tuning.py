@@ -58,10 +58,11 @@ GROUPS = {
                 [dict(moment_launches=k) for k in (1, 2)]),
     "maxabs": (["maxnorm:bits=4", "multiscale:bits=2+6"], "_maxabs_bits_kernel",
                [dict(maxabs_elems=e) for e in (1024, 2048, 4096, 8192, 16384)]),
+    # (the candidate pass serves only the indices path, randk_path 2, so every alternative takes it)
     "subset": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6"],
                "_subset_candidates_kernel",
-               [dict(subset_path=2)] + [dict(subset_path=1, subset_elems=e, subset_warps=w)
-                                         for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
+               [dict(randk_path=2, subset_path=2)] + [dict(randk_path=2, subset_path=1, subset_elems=e, subset_warps=w)
+                                                       for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "randk": (["randk-maxnorm:ratio=0.01,bits=4", "randk-multiscale:ratio=0.01,bits=2+6", "randk:ratio=0.01"],
               "_randk_\\w+_kernel",
               [dict(randk_path=2)] + [dict(randk_path=1, randk_elems=e, randk_warps=4, randk_bins=b)
@@ -164,7 +165,8 @@ def sweep(x: torch.Tensor, group: str, shipped: dict, deadline: float = float("i
 
 def best_settings(rows: list[dict], shipped: dict) -> dict:
     """Per group, the alternative with the least summed device time over the group's specs (only
-    alternatives that ran for every spec, none of :data:`HOST_READS`)."""
+    alternatives that ran for every spec, none of :data:`HOST_READS`; a group left with none, such
+    as ``subset``, whose alternatives all take the indices path, keeps the shipped settings)."""
     best = {}
     for group in {r["group"] for r in rows}:
         totals: dict = {}
@@ -175,6 +177,9 @@ def best_settings(rows: list[dict], shipped: dict) -> dict:
                 key = json.dumps(r["settings"], sort_keys=True)
                 totals[key] = totals.get(key, 0.0) + r["device_us"]
                 counts[key] = counts.get(key, 0) + 1
+        if not counts:
+            print(f"best {group}: none eligible (each reads the host every call); shipped settings kept")
+            continue
         full = max(counts.values())
         key = min((k for k in totals if counts[k] == full), key=totals.get)
         best.update(json.loads(key))
