@@ -65,6 +65,7 @@ def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 def _cases() -> list[tuple]:
     """(label, kernel, signature, constexprs, values a program, warps)."""
     G, gw = T.TUNING["groups"], T.TUNING["groups_warps"]
+    TG, TD = T.TUNING["trit_bytes"], T.TUNING["trit_decode_bytes"]
     bucket = 512
     r = max(1, T.TUNING["fused_elems"] // bucket)
     fused_sig = dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, first=I, rem="i32", nbytes=I, nb=I, s="i32", clip=F,
@@ -86,7 +87,9 @@ def _cases() -> list[tuple]:
         ("uniform encode (scales given), 4-bit", T._uniform_encode_body, enc_sig,
          dict(W=4, TRITS=False, G=G, BIG=True, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
         ("uniform encode (scales given), trits", T._uniform_encode_body, enc_sig,
-         dict(W=1, TRITS=True, G=G, BIG=True, CLIP=True, WIDE=False, FULL=True), 5 * G, gw),
+         dict(W=1, TRITS=True, G=TG, BIG=True, CLIP=True, WIDE=True, FULL=True), 5 * TG, gw),
+        ("uniform encode (scales given), trits, byte-wise", T._uniform_encode_body, enc_sig,
+         dict(W=1, TRITS=True, G=TG, BIG=True, CLIP=True, WIDE=False, FULL=True), 5 * TG, gw),
         ("uniform encode, 4-bit, buckets < a program", T._uniform_encode_body, enc_sig,
          dict(W=4, TRITS=False, G=G, BIG=False, CLIP=False, WIDE=True, FULL=True), 8 * G, gw),
         ("uniform decode, 4-bit", D._uniform_decode_body, dec_sig,
@@ -94,7 +97,11 @@ def _cases() -> list[tuple]:
         ("uniform decode, 2-bit (checked)", D._uniform_decode_body, dec_sig,
          dict(M=1, W=2, TRITS=False, G=G, CHECK=True, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
         ("uniform decode, trits (checked)", D._uniform_decode_body, dec_sig,
-         dict(M=1, W=1, TRITS=True, G=G, CHECK=True, BIG=True, WIDE=False, FULL=True), 5 * G, gw),
+         dict(M=1, W=1, TRITS=True, G=TD, CHECK=True, BIG=True, WIDE=True, FULL=True), 5 * TD, gw),
+        ("uniform decode, trits (checked), byte-wise", D._uniform_decode_body, dec_sig,
+         dict(M=1, W=1, TRITS=True, G=TD, CHECK=True, BIG=True, WIDE=False, FULL=True), 5 * TD, gw),
+        ("uniform decode mean of 4, trits", D._uniform_decode_body, dec_sig,
+         dict(M=4, W=1, TRITS=True, G=TD, CHECK=True, BIG=True, WIDE=True, FULL=True), 5 * TD, gw),
         ("uniform decode mean of 4, 4-bit", D._uniform_decode_body, dec_sig,
          dict(M=4, W=4, TRITS=False, G=G, CHECK=False, BIG=True, WIDE=True, FULL=True), 8 * G, gw),
         ("levels encode, L=5", L._levels_encode_body,

@@ -23,7 +23,7 @@ of the shipped settings:
 4-bit QSGD decode.
 
     python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
-        [--groups stats passes moments maxabs subset randk topk fused groups sort orq elias crc read]
+        [--groups stats passes moments maxabs subset randk topk fused groups trits trits_decode sort orq elias crc read]
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ GROUPS = {
               [dict(fused_elems=e, fused_warps=w) for e in (512, 1024, 2048, 4096) for w in (2, 4)]),
     "groups": (["maxnorm:bits=4", "terngrad:pack=2bit", "linear:levels=5"], "_(uniform|levels)_encode_kernel",
                [dict(groups=g, groups_warps=w) for g in (64, 128, 256) for w in (1, 2, 4, 8)]),
+    "trits": (["terngrad", "terngrad:bucket=512"], "_uniform_encode_kernel",
+              [dict(trit_bytes=b) for b in (64, 128, 256, 512, 1024)]),
+    # (timed on the decode)
+    "trits_decode": (["terngrad", "terngrad:bucket=512"], "_uniform_decode_kernel",
+                     [dict(trit_decode_bytes=b) for b in (64, 128, 256, 512, 1024)]),
     "sort": (["linear:levels=5", "bingrad-pb"], "_(linear_levels|pb_level)_kernel",
              [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (1, 2, 4, 8)]),
     "orq": (["orq:levels=5", "orq:levels=9"], "_orq_levels_kernel",
@@ -87,7 +92,7 @@ GROUPS = {
              [dict(read_bits=b, read_warps=w) for b in (128, 256, 512, 1024) for w in (1, 2, 4)]),
 }
 #: groups whose settings govern the decode, which the sweep times instead of the encode
-DECODE_GROUPS = {"read"}
+DECODE_GROUPS = {"read", "trits_decode"}
 #: alternatives that read from the device on the host each call (the indices path reads its
 #: candidates' count): timed, never chosen as the best (a hook's step would wait on each)
 HOST_READS = [dict(randk_path=2)]

@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
          clip=PF if at else F, k1=I, k2=I, ctr0=I, W=C, TRITS=C, G=C, BIG=C, CLIP=C, CLIP_AT=C, WIDE=C),
          dict(W=w, TRITS=trits, G=64, BIG=big, CLIP=clip, CLIP_AT=at, WIDE=wide), True)
         for w, trits, big, clip, at, wide in [(4, False, True, False, False, True), (3, False, False, True, False, False),
-                                              (1, True, True, True, False, False), (1, True, False, True, True, False),
+                                              (1, True, True, True, False, False), (1, True, False, True, True, True),
                                               (2, False, True, True, True, True)]
     ] + [
         ("_norm_uniform_encode_kernel", dict(x_ptr=PF, scales_ptr=PF, out_ptr=P8, n=I, nbytes=I, nb=I, s="i32",
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent('''
          nbytes=I, nb=I, bucket=I, s="i32", max_field="i32", M=C, W=C, TRITS=C, G=C, CHECK=C, BIG=C, WIDE=C),
          dict(M=m, W=w, TRITS=trits, G=64, CHECK=check, BIG=big, WIDE=wide), True)
         for m, w, trits, check, big, wide in [(4, 3, False, True, True, False), (1, 8, False, False, False, True),
-                                              (3, 1, True, True, False, False)]
+                                              (3, 1, True, True, False, True)]
     ] + [
         ("_levels_encode_kernel", dict(x_ptr=PF, levels_ptr=PF, out_ptr=P8, n=I, nbytes=I, bucket=I, k1=I, k2=I,
          ctr0=I, L=C, W=C, G=C, WIDE=C), dict(L=9, W=4, G=64, WIDE=True), True),

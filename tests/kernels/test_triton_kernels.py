@@ -651,6 +651,23 @@ def test_encode_with_scales_paths(bucket):
                 assert a.offset == b.offset
 
 
+def check_decodes_in_place(packed, sc, dec, ref, mean, ref_mean, margs) -> None:
+    """``dec`` equals ``ref`` on one payload aligned or not, and ``mean`` equals ``ref_mean`` on
+    three read in place from a shared buffer at a stride that keeps them 4-byte aligned or not."""
+    nbytes = packed.numel()
+    for shift in (0, 1):
+        buf = torch.zeros(nbytes + shift, dtype=torch.uint8)
+        buf[shift:] = packed
+        assert same(dec(buf[shift:], sc), ref(packed, sc)), shift
+    scs = [sc, sc * 3, sc / 7]
+    for stride in (nbytes + (-nbytes) % 4, nbytes + 1):
+        buf = torch.zeros(3 * stride, dtype=torch.uint8)
+        rows = [buf[k * stride:k * stride + nbytes] for k in range(3)]
+        for k, r in enumerate(rows):
+            r.copy_(packed if k != 1 else packed.flip(0))
+        assert same(mean(rows, scs, *margs), ref_mean([r.clone() for r in rows], scs, *margs)), stride
+
+
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 @pytest.mark.parametrize("bucket", [24, 700])
 def test_decode_paths(bucket):
@@ -676,18 +693,7 @@ def test_decode_paths(bucket):
             ref = functools.partial(R.uniform_decode, s=s, bucket=bucket, width=w, n=n)
             mean, ref_mean = T.uniform_decode_mean, R.uniform_decode_mean
             margs = (s, bucket, w, n)
-        nbytes = packed.numel()
-        for shift in (0, 1):
-            buf = torch.zeros(nbytes + shift, dtype=torch.uint8)
-            buf[shift:] = packed
-            assert same(dec(buf[shift:], sc), ref(packed, sc)), (w, shift)
-        scs = [sc, sc * 3, sc / 7]
-        for stride in (nbytes + (-nbytes) % 4, nbytes + 1):
-            buf = torch.zeros(3 * stride, dtype=torch.uint8)
-            rows = [buf[k * stride:k * stride + nbytes] for k in range(3)]
-            for k, r in enumerate(rows):
-                r.copy_(packed if k != 1 else packed.flip(0))
-            assert same(mean(rows, scs, *margs), ref_mean([r.clone() for r in rows], scs, *margs)), (w, stride)
+        check_decodes_in_place(packed, sc, dec, ref, mean, ref_mean, margs)
     two_bit = R.uniform_encode(x, sc, 1, bucket, 2, 3)
     for pos in (5, n - 2):             # a field 3 (not a trit) in a whole program, then in the last
         bad = two_bit.clone()
@@ -702,6 +708,54 @@ def test_decode_paths(bucket):
         bad[pos] = 250
         with pytest.raises(PayloadError, match="above 242"):
             T.uniform_decode_trits(bad, sc, bucket, n)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("bucket,sizes", [(None, None), (24, None), (2000, None), (2000, (64, 32))])
+def test_trit_paths(bucket, sizes, monkeypatch):
+    """TernGrad's trits take four bytes (twenty values) a thread in whole programs whose payloads
+    are 4-byte aligned: the encode reads five 16-byte rows and writes a word, the decode reads a
+    word a payload and writes five rows, regrouping the values in registers. Other programs (the
+    last, and every one where a payload is not aligned) go a byte at a time. Both paths, with two
+    scales a program (None, 2000: buckets of at least a program's values), a scale a value (24),
+    counters passing 2**32 inside a program, and means of three read in place at aligned and
+    unaligned strides: the reference's bytes and floats. Every valid byte decodes as the
+    reference's in a whole program, and a corrupt byte is found in a whole program and in the last.
+    At the shipped program sizes, and at others a tuning file may give (a word a program)."""
+    if sizes:
+        monkeypatch.setitem(T.TUNING, "trit_bytes", sizes[0])
+        monkeypatch.setitem(T.TUNING, "trit_decode_bytes", sizes[1])
+    per = 5 * max(T.TUNING["trit_bytes"], T.TUNING["trit_decode_bytes"])
+    n = max(2 * per + 7, 2567)
+    x = data(n, 21)
+    # scales near the values (clip=2.0 leaves every field 0 under a heavy tail's max-abs), and a
+    # first bucket a million times larger: the value that opens the next bucket (inside a whole
+    # program for 2000) gives another field under its neighbour's scale
+    nb = 1 if bucket is None else -(-n // bucket)
+    sc = 0.5 + torch.rand(nb, generator=torch.Generator().manual_seed(3))
+    if bucket:
+        sc[0] = 1e6
+        x[bucket - 1] = x[bucket] = 0.99 * float(sc[1])
+    for start in (0, 2**32 - per - 100):
+        for shift in (0, 1):
+            a, b = RandomStream(5), RandomStream(5)
+            a.offset = b.offset = start
+            out = torch.zeros((n + 4) // 5 + shift, dtype=torch.uint8)[shift:]
+            got = T.uniform_encode_trits(x, sc, bucket, a, clip=2.0, out=out)
+            assert got is out and same(got, R.uniform_encode_trits(x, sc, bucket, b, clip=2.0)), (start, shift)
+            assert a.offset == b.offset
+    packed = R.uniform_encode_trits(x, sc, bucket, 3)
+    packed[:243] = torch.arange(243, dtype=torch.uint8)    # every valid byte, in the first (whole) program
+    nbytes = packed.numel()
+    check_decodes_in_place(packed, sc, functools.partial(T.uniform_decode_trits, bucket=bucket, n=n),
+                           functools.partial(R.uniform_decode_trits, bucket=bucket, n=n),
+                           T.uniform_decode_trits_mean, R.uniform_decode_trits_mean, (bucket, n))
+    for pos in (8, 13, 18, 23, nbytes - 1):      # each byte of a word in a whole program, and the last
+        for byte in (243, 255):
+            bad = packed.clone()
+            bad[pos] = byte
+            with pytest.raises(PayloadError, match="corrupt codes: 1 bytes above 242"):
+                T.uniform_decode_trits(bad, sc, bucket, n)
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")

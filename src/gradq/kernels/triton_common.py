@@ -157,8 +157,11 @@ if INTERPRETED and _Interpreted is not None:
 #: An H200 (2026-11-29, "Fifth GPU session" there) chose the radix selects' bins (Top-K's 64
 #: against 2,048: 5.5× less device time; Rand-K's 256: 2.5×) and TernGrad's merge tree.
 TUNING = {
-    "groups": 64,           # groups of 8 fields (or 5 trits) a program: the element-wise encodes, decodes
-    "groups_warps": 2,
+    "groups": 64,           # groups of 8 fields a program: the element-wise encodes, decodes
+    "groups_warps": 2,      # (and the trits' warps)
+    "trit_bytes": 256,      # bytes of five trits a program in TernGrad's encode, and in its decode: four a
+    "trit_decode_bytes": 256,  # thread at two warps, in 16-byte loads or stores (against 64, a byte a thread:
+                            # sm_90 instructions a value 64.6 -> 44.8 and 47.0 -> 16.8; not yet timed on a GPU)
     "fused_elems": 1024,    # values a program in the one-pass QSGD encode (whole buckets)
     "fused_warps": 4,
     "stats_elems": 512,     # values a program in the one-bit statistics (whole buckets)
@@ -211,8 +214,10 @@ def _tuning_from_env() -> None:
 _tuning_from_env()
 
 
-def _groups() -> int:
-    return TUNING["groups"]
+def _groups(key: str = "groups") -> int:
+    """Groups a program of the element-wise kernels: of eight fields, or (``trit_bytes``,
+    ``trit_decode_bytes``) bytes of five trits."""
+    return TUNING[key]
 
 
 def _launch(kernel, grid, *args, **meta) -> None:
@@ -258,6 +263,19 @@ def _split4(t):
     c0, c2 = tl.split(a)
     c1, c3 = tl.split(b)
     return c0, c1, c2, c3
+
+
+@_jit
+def _trits5(t):
+    """The five base-3 digits of bytes ``t`` (int32, 0 to 255), lowest first, as int32 (a byte above
+    242 has a fifth digit of 3). The divisions are unsigned: the bytes are never negative."""
+    u = t.to(tl.uint32)
+    q1 = u // 3
+    q2 = q1 // 3
+    q3 = q2 // 3
+    q4 = q3 // 3
+    return ((u - 3 * q1).to(tl.int32), (q1 - 3 * q2).to(tl.int32), (q2 - 3 * q3).to(tl.int32),
+            (q3 - 3 * q4).to(tl.int32), q4.to(tl.int32))
 
 
 @_jit

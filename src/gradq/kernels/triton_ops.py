@@ -62,8 +62,8 @@ import torch
 
 from . import reference
 from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _width
-from .triton_common import (TUNING, _bucket_of, _bucket_split, _counter_halves, _flat, _grid, _groups, _jit, _launch,
-                           _load8, _out, _pack8_tail, _span, _uniform_at, _vector, tl, triton)
+from .triton_common import (TUNING, _bucket_of, _bucket_split, _counter_halves, _flat, _grid, _groups, _jit, _join4,
+                           _launch, _load8, _out, _pack8_tail, _span, _split4, _uniform_at, _vector, tl, triton)
 from .triton_moments import _moments
 # the backend's settings (tests and benchmarks read them here)
 from .triton_common import INTERPRETED, VALUE_ARGS  # noqa: F401
@@ -159,12 +159,56 @@ def _encode8(v0, v1, v2, v3, v4, v5, v6, v7, r0, r1, r2, r3, r4, r5, r6, r7, s, 
 
 
 @_jit
+def _trits_encode_wide(x_ptr, scales_ptr, out_ptr, first, nb, bucket, s, clip, k1, k2, lo0, hi0, G: tl.constexpr,
+                       BIG: tl.constexpr, CLIP: tl.constexpr):
+    """A whole program of the trit encode into a 4-byte-aligned output: four bytes (twenty values) a
+    thread, read as five 16-byte loads, regrouped in registers by digit (:func:`_split4`,
+    :func:`_join4`) and written as one 32-bit word. The same fields as the byte-wise path."""
+    Q: tl.constexpr = G // 4
+    q = tl.arange(0, Q)
+    c = tl.arange(0, 4)
+    p = x_ptr + first + q[:, None] * 20 + c[None, :]
+    x0, x1, x2, x3 = _split4(tl.load(p))
+    x4, x5, x6, x7 = _split4(tl.load(p + 4))
+    x8, x9, x10, x11 = _split4(tl.load(p + 8))
+    x12, x13, x14, x15 = _split4(tl.load(p + 12))
+    x16, x17, x18, x19 = _split4(tl.load(p + 16))
+    o = q[:, None] * 20 + c[None, :] * 5       # [Q, 4]: the first value of each byte
+    if BIG:
+        b0, edge = _bucket_split(first, bucket, 5 * G)
+        ra = _recip_s(tl.load(scales_ptr + b0), s)
+        rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+    byte = tl.zeros((Q, 4), tl.int32)
+    for j in tl.static_range(4, -1, -1):   # Horner, as the byte-wise path: digit j of byte i is value 5·i + j
+        if j == 0:
+            v = _join4(x0, x5, x10, x15)
+        elif j == 1:
+            v = _join4(x1, x6, x11, x16)
+        elif j == 2:
+            v = _join4(x2, x7, x12, x17)
+        elif j == 3:
+            v = _join4(x3, x8, x13, x18)
+        else:
+            v = _join4(x4, x9, x14, x19)
+        if BIG:
+            r = tl.where(o + j < edge, ra, rb)
+        else:
+            r = _recip_s(tl.load(scales_ptr + _bucket_of(first, o + j, bucket)), s)
+        byte = byte * 3 + _field_r(v, r, s, clip, _uniform_at(lo0, hi0, o + j, k1, k2, True), CLIP)
+    b0_, b1_, b2_, b3_ = _split4(byte.to(tl.uint32))
+    words = (out_ptr + first // 5).to(tl.pointer_type(tl.uint32))
+    tl.store(words + q, b0_ | (b1_ << 8) | (b2_ << 16) | (b3_ << 24))
+
+
+@_jit
 def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
                          W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
                          CLIP: tl.constexpr, WIDE: tl.constexpr, FULL: tl.constexpr):
     """One program of :func:`_uniform_encode_kernel` (FULL: as in :func:`_norm_uniform_body`)."""
     g = tl.arange(0, G)
-    if TRITS:   # a byte of five trits per group: five loads at a stride of five values
+    if TRITS and FULL and WIDE and G >= 4:
+        _trits_encode_wide(x_ptr, scales_ptr, out_ptr, first, nb, bucket, s, clip, k1, k2, lo0, hi0, G, BIG, CLIP)
+    elif TRITS:   # a byte of five trits per group: five loads at a stride of five values
         PER: tl.constexpr = 5 * G
         base = g * 5
         if BIG:
@@ -221,7 +265,8 @@ def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, bucket, s,
                            W: tl.constexpr, TRITS: tl.constexpr, G: tl.constexpr, BIG: tl.constexpr,
                            CLIP: tl.constexpr, CLIP_AT: tl.constexpr, WIDE: tl.constexpr):
     """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits): G
-    groups of eight values (or five trits) a program, a group a thread. BIG: buckets hold at least
+    groups of eight values (or bytes of five trits) a program, a group a thread (trits: four bytes a
+    thread in whole programs into an aligned output, :func:`_trits_encode_wide`). BIG: buckets hold at least
     a program's values, so a program reads two scales and divides twice; else every value finds its
     bucket with a 32-bit division and divides. Whole programs run unmasked. CLIP_AT: ``clip`` points
     at the bound (a float32 on the device) instead of holding it."""
@@ -367,9 +412,9 @@ def _encode(x, scales, s, bucket, width, rng, clip, out, fused, l2=False):
     else:
         sc = _vector(scales, nb, "scales", torch.float32, xv.device)
     if n:
-        per = 5 if trits else 8
-        _launch(_uniform_encode_kernel, _grid(-(-n // per), _groups()), xv, sc, packed, n, nbytes, nb, d, s, c, k1,
-                k2, ctr0, W=max(width, 1), TRITS=trits, G=_groups(), BIG=d >= per * _groups(),
+        per, g = (5, _groups("trit_bytes")) if trits else (8, _groups())
+        _launch(_uniform_encode_kernel, _grid(-(-n // per), g), xv, sc, packed, n, nbytes, nb, d, s, c, k1,
+                k2, ctr0, W=max(width, 1), TRITS=trits, G=g, BIG=d >= per * g,
                 CLIP=at or bool(c < np.inf), CLIP_AT=at, WIDE=packed.data_ptr() % 4 == 0)
     return packed, sc
 
