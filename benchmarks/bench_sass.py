@@ -129,7 +129,7 @@ def _cases() -> list[tuple]:
          4096, 4),
         ("TernGrad's moments and max-abs, blocks of 4096", MO._block_moments_kernel,
          dict(x_ptr=PF, cnt_ptr=PF64, mean_ptr=PF64, m2_ptr=PF64, maxbits_ptr=P32, f_ptr=PF, top_ptr=PF, n=I,
-              nblocks=I, clip=F, BLOCK=C, CHUNK=C, LAST=C), dict(BLOCK=4096, CHUNK=1024, LAST=True), 4096, 4),
+              nblocks=I, clip=F, BLOCK=C, CHUNK=C, LAST=C), dict(BLOCK=4096, CHUNK=1024, LAST=T.TUNING["moment_launches"] == 1), 4096, 4),
         ("one-bit decode", B._bit_decode_body,
          dict(data_ptr=P8, levels_ptr=PF, out_ptr=PF, first=I, rem="i32", nbytes=I, bucket=I, b0=I, PER=C, G=C,
               FAST=C), dict(PER=1, G=G, FAST=True), 8 * G, gw),

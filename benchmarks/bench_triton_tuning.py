@@ -55,7 +55,7 @@ GROUPS = {
                [dict(stats_passes=1, stats_tail=1), dict(stats_passes=1, stats_tail=2),
                 dict(stats_passes=2, stats_tail=2)]),
     "moments": (["terngrad", "terngrad:pack=2bit"], "_(block|merge)_moments_kernel",
-                [dict(moment_launches=k) for k in (1, 2)]),
+                [dict(moment_launches=1)] + [dict(moment_launches=2, moment_chunk=c) for c in (64, 256, 1024)]),
     "maxabs": (["maxnorm:bits=4", "multiscale:bits=2+6"], "_maxabs_bits_kernel",
                [dict(maxabs_elems=e) for e in (1024, 2048, 4096, 8192, 16384)]),
     # (the candidate pass serves only the indices path, randk_path 2, so every alternative takes it)

@@ -244,7 +244,7 @@ def test_sigma_merge_tree(chunk, launches, runs, monkeypatch):
     from gradq.kernels import triton_moments as MO
 
     monkeypatch.setattr(MO, "_MOMENT_BLOCK", 64)
-    monkeypatch.setattr(MO, "_MERGE_CHUNK", chunk)
+    monkeypatch.setitem(T.TUNING, "moment_chunk", chunk)
     monkeypatch.setattr(MO, "_LAST_RUNS", runs)
     monkeypatch.setitem(T.TUNING, "moment_launches", launches)
     if launches == 1 and chunk * runs >= 47:

@@ -175,7 +175,9 @@ TUNING = {
     "orq_warp_elems": 128,  # values a warp in ORQ's levels (one bucket a program)
     "elias_warps": 8,       # the Elias stream's count and write passes (gradq.kernels.triton_elias)
     "maxabs_elems": 4096,   # values a program in the max-abs pass (MaxNorm's, MultiScale's, bucketed TernGrad's)
-    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (1.5x slower on an H200); 2, a tree
+    "moment_launches": 2,   # TernGrad's moments: 1, merged by their last block (1.2x slower on an H200); 2, a tree
+    "moment_chunk": 1024,   # blocks' triples a program of that tree merges (6 programs, then 1, for 25M values:
+                            # 11 us of an H200's 111 us TernGrad encode)
     "subset_path": 1,       # RandK's subset: 1, a Triton candidate pass (or the implicit subset); 2, torch's topk
     "subset_elems": 1024,   # counters a program in that candidate pass (54 registers a thread at sm_90,
     "subset_warps": 4,      # against 182 with 4,096)

