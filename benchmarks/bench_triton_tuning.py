@@ -10,7 +10,8 @@ of the shipped settings:
   ``bench_codecs.py --memory --device cuda`` reports it) and that of the kernel the setting
   governs;
 * the wall time per call of 20 unchecked calls back to back (``check_finite=False``, as the DDP
-  hook encodes; the decode for the decode groups), until the device is done: where the host's
+  hook encodes; the decode for the decode groups, the checked encode for :data:`CHECKED_GROUPS`),
+  until the device is done: where the host's
   work per call exceeds the device's, it is the host's pace, and a setting that adds a launch can
   win on the device and lose here;
 * the best alternative per group by device time, and a JSON file of everything (``--json``);
@@ -23,7 +24,8 @@ of the shipped settings:
 4-bit QSGD decode.
 
     python benchmarks/bench_triton_tuning.py [--n 25000000] [--host] [--budget SECONDS] [--json FILE] [--best FILE]
-        [--groups stats passes moments maxabs subset randk topk fused groups trits trits_decode sort orq elias crc read]
+        [--groups stats passes moments maxabs subset randk topk fused groups trits trits_decode witness sort orq elias
+         crc read]
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ GROUPS = {
     # (timed on the decode)
     "trits_decode": (["terngrad", "terngrad:bucket=512"], "_uniform_decode_kernel",
                      [dict(trit_decode_bytes=b) for b in (64, 128, 256, 512, 1024)]),
+    # (the checked encode: its look at the non-finite witness, torch's sum against the Triton flags)
+    "witness": (["qsgd:bits=4,bucket=512", "signsgd", "bingrad-b"], "(.*reduce_kernel.*|_nonfinite_kernel)",
+                [dict(witness_path=p) for p in (1, 2)]),
     "sort": (["linear:levels=5", "bingrad-pb"], "_(linear_levels|pb_level)_kernel",
              [dict(sort_elems=e, sort_warps=w) for e in (512, 1024, 4096) for w in (1, 2, 4, 8)]),
     "orq": (["orq:levels=5", "orq:levels=9"], "_orq_levels_kernel",
@@ -93,6 +98,9 @@ GROUPS = {
 }
 #: groups whose settings govern the decode, which the sweep times instead of the encode
 DECODE_GROUPS = {"read", "trits_decode"}
+#: groups whose settings govern the checked encode only: their wall column times it (the others
+#: time the encode unchecked, as the DDP hook calls it)
+CHECKED_GROUPS = {"witness"}
 #: alternatives that read from the device on the host each call (the indices path reads its
 #: candidates' count): timed, never chosen as the best (a hook's step would wait on each)
 HOST_READS = [dict(randk_path=2)]
@@ -147,7 +155,7 @@ def sweep(x: torch.Tensor, group: str, shipped: dict, deadline: float = float("i
                         raise AssertionError("bytes differ from the shipped settings'")
                     seeds = itertools.count(SEED + 1)
                     total, _, per_kernel = kernel_time(lambda: q.encode(x, seed=next(seeds)))
-                    wall = wall_time(lambda: q.encode(x, seed=next(seeds), check_finite=False))
+                    wall = wall_time(lambda: q.encode(x, seed=next(seeds), check_finite=group in CHECKED_GROUPS))
             except Exception as e:  # one alternative's failure (e.g. too many registers) must not stop the sweep
                 print(f"| {group} | {spec} | {alt} | failed: {type(e).__name__}: {str(e)[:100]} |", flush=True)
                 continue

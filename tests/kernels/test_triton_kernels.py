@@ -156,6 +156,64 @@ def test_maxabs_scales_clip_and_non_finite(bucket):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_field_is_finite_reads_the_exponent_bits(dtype):
+    """``field_is_finite`` (a flag per 4,096 values, read at once): False for a NaN, +Inf or −Inf
+    anywhere (first, last, a block's last and the next block's first value), True for finite
+    values, −0.0 and denormals, and for huge finite values whose sum overflows (where torch's sum
+    answers non-finite)."""
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 4095, 4096, 4097, 9000):
+        x = torch.randn(n, generator=g, dtype=dtype)
+        x[::7] = -0.0
+        x[1::11] = torch.finfo(dtype).tiny / 4       # denormals
+        assert T.field_is_finite(x), n
+        assert T.field_is_finite(x[1:] if n > 1 else x), n      # (an offset view)
+        for pos in sorted({0, n - 1, min(4095, n - 1), min(4096, n - 1), n // 2}):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                y = x.clone()
+                y[pos] = bad
+                assert not T.field_is_finite(y), (n, pos, bad)
+    huge = torch.full((5000,), torch.finfo(dtype).max, dtype=dtype)
+    assert not math.isfinite(float(huge.sum())) and T.field_is_finite(huge)
+    assert T.field_is_finite(torch.empty(0, dtype=dtype))
+    half = torch.ones(10, dtype=torch.float16)
+    assert T.field_is_finite(half)
+    half[3] = float("inf")
+    assert not T.field_is_finite(half)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=512", "signsgd:bucket=512", "bingrad-b:bucket=512"])
+def test_checked_encode_looks_at_its_witness_by_flags(spec, triton_backend, monkeypatch):
+    """With ``witness_path`` 2 a checked encode looks at its witness (scales, levels) through
+    ``field_is_finite``: NaN or Inf in x still raises NonFiniteError, naming x; finite x whose
+    witness sums past float32 (a huge value in every bucket) passes without the exact screen that
+    an overflowing sum costs; the bytes are those of the shipped path."""
+    from gradq.quantizers import base
+
+    n = 9000
+    x = data(n, 31)
+    x[::512] = 3.0e38                               # every bucket's max: the scales' sum overflows
+    q = gradq.build(spec)
+    want = q.encode(x, seed=4)
+    looks, screens = [], []
+    flags = T.field_is_finite
+    monkeypatch.setitem(T.TUNING, "witness_path", 2)
+    monkeypatch.setattr(T, "field_is_finite", lambda t: looks.append(t.numel()) or flags(t))
+    screen = base._screen
+    monkeypatch.setattr(base, "_screen", lambda v, name: screens.append(1) or screen(v, name))
+    got = q.encode(x, seed=4)
+    witness = want.fields[q._nonfinite_witness(x, None)]
+    assert got.same_bytes(want) and looks == [witness.numel()] and not screens, (looks, screens)
+    for pos in (0, 4500, n - 1):
+        y = x.clone()
+        y[pos] = float("nan") if pos != 4500 else -float("inf")
+        with pytest.raises(NonFiniteError, match="grad"):
+            q.encode(y, seed=4, name="grad")
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests (a GPU is present: see the GPU tests)")
 @pytest.mark.parametrize("bucket,n", grid(BUCKETS, SIZES, covering=UNIFORM_COVER))
 def test_uniform_primitives(n, bucket):
     x = data(n, n)

@@ -145,7 +145,7 @@ def test_topk_quantizer_holds_nothing_input_sized(triton_backend, monkeypatch):
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: lists.append(1) or tolist(t))
     monkeypatch.setattr(R, "topk_select", _refuse)
-    monkeypatch.setattr(kernels, "sum_is_finite", lambda t: math.isfinite(float(t.sum())))   # (the CUDA branch)
+    monkeypatch.setattr(kernels, "witness_is_finite", lambda t: math.isfinite(float(t.sum())))   # (the CUDA branch)
 
     def measured(**kw):
         mode = _Reads()

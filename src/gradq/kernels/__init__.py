@@ -57,7 +57,7 @@ __all__ = ["available", "triton_available", "set_enabled", "set_backend", "get_b
            "multiscale_decode", "random_subset", "topk_select", "sparse_mean_zero_signs", "subset_norm",
            "subset_gather", "subset_scatter", "subset_uniform_encode", "subset_uniform_decode",
            "subset_multiscale_encode", "subset_multiscale_decode", "elias_fields_stream", "elias_stream_fields",
-           "elias_encode", "elias_decode", "sum_is_finite", "crc32_field",
+           "elias_encode", "elias_decode", "witness_is_finite", "crc32_field",
            "deferred_checks", "DeferredChecks"]
 
 RngLike = Union[RandomStream, int]
@@ -453,12 +453,18 @@ def sparse_mean_zero_signs(out: torch.Tensor, idxs: Sequence[torch.Tensor], vals
         reference.sparse_mean_zero_signs(out, idxs, vals)
 
 
-def sum_is_finite(t: torch.Tensor) -> bool:
-    """Whether the sum of a small field (a value per bucket) is finite: one reduction and one host read.
+def witness_is_finite(t: torch.Tensor) -> bool:
+    """False where a small field (a value per bucket: a payload's non-finite witness) may hold NaN
+    or Inf; one host read. True is exact; False may also mean finite values whose sum overflows,
+    which costs the caller an exact screen.
 
     A float32/float64 CPU field is summed by NumPy on the calling thread: a torch reduction of more
     than 32K values there starts torch's OpenMP workers, which then spin on the cores that the next
-    call's kernels want."""
+    call's kernels want. On the Triton backend with ``TUNING["witness_path"] = 2`` a kernel tests
+    the values' exponent bits (:func:`gradq.kernels.triton_ops.field_is_finite`); elsewhere torch
+    sums them."""
+    if t.numel() and backend_for(t) == "triton" and _triton().TUNING["witness_path"] == 2:
+        return _triton().field_is_finite(t)
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous():
         with np.errstate(over="ignore", invalid="ignore"):   # an overflow is an answer here
             return math.isfinite(float(t.detach().numpy().sum()))

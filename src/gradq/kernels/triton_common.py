@@ -189,6 +189,9 @@ TUNING = {
     "topk_elems": 4096,     # less device time than 2 on an H200); 2, torch's topk of n int64 keys. Values a
     "topk_warps": 4,        # program in its passes, 1,024 at a time,
     "topk_bins": 64,        # and bins a level of the radix select (6 bits a level: 31 in six)
+    "witness_path": 1,      # a checked encode's look at its non-finite witness (a value per bucket): 1, torch's
+                            # sum (a reduction kernel: 10-18 us on an H200 for 49K-98K values); 2, a Triton kernel
+                            # of exponent-bit flags, a flag per 4,096 values read at once (not yet on a GPU)
     "read_bits": 256,       # stream bits a lane in the Elias reader (gradq.kernels.triton_elias_read;
     "read_warps": 1,        # 32 lanes a warp, not yet on a GPU)
     "crc_words": 1024,      # 4-byte words a program in the device CRC-32 (not yet on a GPU)

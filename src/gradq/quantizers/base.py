@@ -292,9 +292,9 @@ class Quantizer:
             if witness is not None:
                 _screen(v, name)
             raise
-        # one reduction of a small field and one host read: a NaN or Inf in the witness makes its sum
-        # non-finite (finite values whose sum overflows only cost the exact screen, which then passes)
-        if read and not kernels.sum_is_finite(fields[witness]):
+        # one look at a small field and one host read (finite values whose sum overflows, where the
+        # look is a sum, only cost the exact screen, which then passes)
+        if read and not kernels.witness_is_finite(fields[witness]):
             _screen(v, name)  # raises if x really holds NaN/Inf (not just an overflowing norm)
         return Payload(self.spec, tuple(x.shape), x.dtype, v.numel(), fields)
 
