@@ -1083,10 +1083,13 @@ def test_gpu_encode_needs_no_input_sized_temporaries(spec):
                                   "terngrad", "terngrad:bucket=64",
                                   "signsgd:bucket=64", "onebit:ef=0,bucket=7", "bingrad-b:iters=3,bucket=64",
                                   "linear:levels=5,bucket=64"])
-def test_gpu_non_finite_input_is_found_after_the_encode(spec):
+@pytest.mark.parametrize("witness", [1, 2])
+def test_gpu_non_finite_input_is_found_after_the_encode(spec, witness, monkeypatch):
     """The compiled kernels run on NaN/Inf harmlessly and the payload field that these schemes read
     instead of a separate screen shows them: every NaN or Inf, first, middle or in a partial last
-    bucket, is refused by name, as on the CPU (tests/kernels/test_dispatch.py)."""
+    bucket, is refused by name, as on the CPU (tests/kernels/test_dispatch.py); the field looked at
+    by torch's sum or by the flags kernel (``witness_path`` 1, 2)."""
+    monkeypatch.setitem(T.TUNING, "witness_path", witness)
     q = gradq.build(spec)
     for n in (1, 100, 301):
         for pos in sorted({0, n // 2, n - 1}):
@@ -1205,14 +1208,15 @@ def test_gpu_shared_scale_encode_never_waits_for_the_device(spec):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("launches", [1, 2])
-def test_gpu_terngrad_statistics_of_many_blocks(launches, monkeypatch):
+@pytest.mark.parametrize("launches,chunk", [(1, 1024), (2, 1024), (2, 64)])
+def test_gpu_terngrad_statistics_of_many_blocks(launches, chunk, monkeypatch):
     """TernGrad's σ, bound and clipped max on CUDA over thousands of blocks, merged by the block that
     finishes last (``moment_launches`` 1: 9M values are 3 runs; 40M values, 10 runs, take the tree)
-    or by the tree: the reference's, ten times over (the ticket that elects the last block must not
-    let it read a triple before it is written)."""
+    or by the tree (of 1,024 or 64 triples a program): the reference's, ten times over (the ticket
+    that elects the last block must not let it read a triple before it is written)."""
     monkeypatch.setitem(T.TUNING, "moment_launches", launches)
-    g = torch.Generator().manual_seed(launches)
+    monkeypatch.setitem(T.TUNING, "moment_chunk", chunk)
+    g = torch.Generator().manual_seed(launches + chunk)
     for n in (9_000_001, 40_000_003):
         x = torch.randn(n, generator=g) * 0.01 + 0.003
         want = R.population_std(x), R.terngrad_stats(x, 2.5, None)
