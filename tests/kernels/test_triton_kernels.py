@@ -290,13 +290,14 @@ def host_bound(bound):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
-@pytest.mark.parametrize("chunk,launches,runs", [(2, 2, 8), (4, 2, 8), (1024, 2, 8), (8, 1, 2), (2, 1, 32),
+@pytest.mark.parametrize("chunk,launches,runs", [(1, 2, 8), (2, 2, 8), (4, 2, 8), (1024, 2, 8), (8, 1, 2), (2, 1, 32),
                                                   (4, 1, 16), (1024, 1, 8)])
 def test_sigma_merge_tree(chunk, launches, runs, monkeypatch):
     """TernGrad's σ through one, two and several levels of the merge tree (small merge chunks, so
     that a few blocks take several levels), or merged by the block that finishes last, in runs of
     ``chunk`` (``moment_launches`` 1, where the blocks fit in ``_LAST_RUNS`` runs: no merge launch
-    at all; 47 blocks in 2 runs of 8 take the tree): the reference's σ, bit for bit, on data with
+    at all; 47 blocks in 2 runs of 8 take the tree; a setting of 1 merges pairs): the reference's σ, bit
+    for bit, on data with
     an offset (a large mean, where a one-pass E[x²] − E[x]² would cancel) and on the edge-case data
     (blocks of 64 values: 1 to 47 blocks)."""
     from gradq.kernels import triton_moments as MO

@@ -146,7 +146,7 @@ def _moments(xv: torch.Tensor, clip: float = float("inf")) -> tuple[torch.Tensor
     launches for up to 2^32 values at 1,024). σ equals the reference's two-pass float64 σ rounded to
     float32, except within float64 rounding (~1e-13 relative) of a float32 rounding tie."""
     n = xv.numel()
-    chunk = TUNING["moment_chunk"]
+    chunk = max(2, TUNING["moment_chunk"])   # (a tree of one triple a program would never end)
     grid = _grid(n, _MOMENT_BLOCK)
     cnt, mean, m2 = torch.empty(3, grid[0], dtype=torch.float64, device=xv.device)   # (one allocation)
     out = torch.zeros(4, dtype=torch.int32, device=xv.device)   # [max |x| bits, σ, bound, blocks done]
