@@ -818,6 +818,48 @@ def test_trit_paths(bucket, sizes, monkeypatch):
 
 
 @pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
+@pytest.mark.parametrize("spec", ["terngrad", "terngrad:pack=2bit", "linear:levels=5,bucket=512",
+                                  "multiscale:bits=2+6,bucket=512"])
+def test_invalid_field_counts_need_no_zeroed_buffer(spec, monkeypatch):
+    """The checked decodes (trits, 2-bit TernGrad, level and MultiScale indices) and MultiScale's
+    encode count invalid fields into a buffer of a count a program that they do not zero first:
+    every program writes its count, and every output byte and float is written. With ``torch.empty``
+    handing out buffers full of 7s (NaN for floats) during the Triton calls, the encode (and the
+    all-reduce's fields under shared statistics) gives the reference's bytes and the decode its
+    floats, with no error."""
+    n = 2 * 5 * max(T.TUNING["trit_decode_bytes"], T.TUNING["groups"]) + 7
+    x = data(n, 41)
+    q = gradq.build(spec)
+    was = kernels.get_backend()
+    kernels.set_backend("torch")
+    try:
+        want = q.encode(x, seed=2)
+        want_dec = q.decode(want)
+        shared = _larger_scales(q.shared_stats(x, shared_seed=11)) if spec.startswith("multiscale") else None
+        want_fields = shared and q.encode_fields(x, seed=3, shared=shared, shared_seed=11)
+    finally:
+        kernels.set_backend(was)
+    real = torch.empty
+
+    def dirty(*args, **kw):
+        t = real(*args, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else 7) if t.numel() else t
+
+    kernels.set_backend("triton")
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", dirty)
+            got = q.encode(x, seed=2)
+            dec = q.decode(want)
+            # (MultiScale's encode under shared scales reads its count: a check of the shared indices)
+            fields = shared and q.encode_fields(x, seed=3, shared=shared, shared_seed=11)
+    finally:
+        kernels.set_backend(was)
+    assert got.same_bytes(want) and same(dec, want_dec)
+    assert shared is None or same(fields, want_fields)
+
+
+@pytest.mark.skipif(not T.INTERPRETED, reason="interpreter tests")
 def test_level_and_one_bit_paths():
     """Level rounding, one-bit thresholds, BinGrad-pb's bits and their decodes run a whole program
     inside one bucket unmasked, with the bucket's levels as scalars, and any other program (one

@@ -272,7 +272,8 @@ def _decode_mean(packed, scales, s, bucket, width, n, out, max_field):
         per, g = (5, _groups("trit_decode_bytes")) if trits else (8, _groups())
         grid = _grid(-(-n // per), g)
         check = trits or max_field is not None   # only where a code can be invalid
-        bad = torch.zeros(grid[0], dtype=torch.int32, device=dev) if check else _constant(dev, torch.int32)
+        # (every program writes its count: nothing to zero first)
+        bad = torch.empty(grid[0], dtype=torch.int32, device=dev) if check else _constant(dev, torch.int32)
         _launch(_uniform_decode_kernel, grid, base, offs, sv, res, bad, n, nbytes, nb, d, s,
                 255 if max_field is None else max_field, M=len(packed), W=max(width, 1), TRITS=trits, G=g,
                 CHECK=check, BIG=d >= per * g, WIDE=aligned)

@@ -301,7 +301,7 @@ def levels_decode(packed: torch.Tensor, levels: torch.Tensor, bucket: Optional[i
     res = _out(out, n, torch.float32, data.device)
     if n:
         grid = _grid(-(-n // 8), _groups())
-        bad = torch.zeros(grid[0], dtype=torch.int32, device=data.device)
+        bad = torch.empty(grid[0], dtype=torch.int32, device=data.device)   # (every program writes its count)
         _launch(_levels_decode_kernel, grid, data, lv, res, bad, n, nbytes, d, L, W=width, G=_groups(),
                 WIDE=data.data_ptr() % 4 == 0)
         refuse_invalid(bad, lambda k: f"level index out of range [0, {L - 1}]", f"level indices above {L - 1}")

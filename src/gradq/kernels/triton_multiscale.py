@@ -249,7 +249,7 @@ def multiscale_encode(x: torch.Tensor, scales: torch.Tensor, index: Optional[tor
     if n:
         w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, xv.device)
         grid = _grid(-(-n // 8), _groups())
-        bad = torch.zeros(grid[0], dtype=torch.int32, device=xv.device)
+        bad = torch.empty(grid[0], dtype=torch.int32, device=xv.device)   # (every program writes its count)
         pidx = codes if packed_index is None else packed_index
         _launch(_ms_encode_kernel, grid, xv, w, iv, lv, codes, pidx, bad, n, nbytes, ibytes, d, k1, k2, ctr0,
                 L=lv.numel(), W=width, IW=index_width, G=_groups(),
@@ -273,7 +273,7 @@ def multiscale_decode(codes: torch.Tensor, index: Optional[torch.Tensor], scales
     if n:
         w = _vector(scales, _nbuckets(n, d), "scales", torch.float32, cv.device)
         grid = _grid(-(-n // 8), _groups())
-        bad = torch.zeros(grid[0], dtype=torch.int32, device=cv.device)
+        bad = torch.empty(grid[0], dtype=torch.int32, device=cv.device)   # (every program writes its count)
         _launch(_ms_decode_kernel, grid, cv, iv, w, q, res, bad, n, nbytes, ibytes, d, L=q.shape[0], W=width,
                 IW=index_width, G=_groups(), WIDE=cv.data_ptr() % 4 == 0 and iv.data_ptr() % 4 == 0)
         refuse_invalid(bad, lambda k: f"multiscale: corrupt scale index (>= {q.shape[0]} scales)",
