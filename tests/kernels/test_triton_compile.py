@@ -286,9 +286,11 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
 def test_element_wise_kernels_stay_lean(tmp_path):
     """benchmarks/bench_sass.py counts the sm_90 instructions a value on a whole program's path.
     The bounds hold the layout of docs/performance.md ("Fewer instructions a value"): 40.4 for the
-    4-bit QSGD encode and 21.0 for the 4-bit decode when written. A group of eight spread over
-    threads again (three rounds of 64-bit shuffles and adds a group) or a division a value (about
-    ten instructions) would put them above 45 and 25.
+    4-bit QSGD encode and 21.0 for the 4-bit decode when written, 14.0 for the decode of a program
+    inside one bucket since it takes one scale (2026-11-29). A group of eight spread over threads
+    again (three rounds of 64-bit shuffles and adds a group) or a division a value (about ten
+    instructions) would put them above 45, 25 and 18; a select a value back in the one-scale decode
+    (about seven with its compare and offsets) above 18.
 
     The count a value also depends on how many values a thread takes (a bucket's reduction and
     reciprocal are shared by them), which the launch settings choose, so the test pins the shape
@@ -312,4 +314,5 @@ def test_element_wise_kernels_stay_lean(tmp_path):
            re.finditer(r"^(\S.*?)\s+\d+\s+\d+\s+\S+\s+\d+\s+\d+\s+([\d.]+)\s+[\d.]+$", proc.stdout, re.M)}
     assert "copy (baseline)" in per, proc.stdout
     assert per["qsgd one-pass encode, 4-bit, bucket 512"] <= 45, proc.stdout
-    assert per["uniform decode, 4-bit"] <= 25, proc.stdout
+    assert per["uniform decode, 4-bit, a bucket edge in the program"] <= 25, proc.stdout
+    assert per["uniform decode, 4-bit"] <= 18, proc.stdout

@@ -369,6 +369,16 @@ def _bucket_split(first, bucket, PER: tl.constexpr):
 
 
 @_jit
+def _one_bucket(first, bucket, PER: tl.constexpr, BIG: tl.constexpr):
+    """With BIG (buckets of at least PER values), whether the PER values from ``first`` lie in one
+    bucket: the element-wise kernels then use that bucket's scale for all of them (``BIG`` 2)."""
+    if BIG:
+        return _bucket_split(first, bucket, PER)[1] == PER
+    else:
+        return False
+
+
+@_jit
 def _bucket_of(first, o, bucket):
     """The bucket (int64) of values ``first + o`` (``o`` int32 offsets < 2**31, buckets < 2**31):
     one 64-bit division a program, 32-bit ones a value."""

@@ -18,15 +18,18 @@ import torch
 
 from ._args import _bucket, _levels_s, _nbuckets, _width
 from .checks import refuse_invalid
-from .triton_common import (_bucket_of, _bucket_split, _constant, _grid, _groups, _jit, _join4, _launch, _out,
-                           _payload, _span, _split4, _store8, _trits5, _unpack8, _vector, tl)
+from .triton_common import (_bucket_of, _bucket_split, _constant, _grid, _groups, _jit, _join4, _launch,
+                           _one_bucket, _out, _payload, _span, _split4, _store8, _trits5, _unpack8, _vector, tl)
 
 
 @_jit
 def _scale_mult(scales_ptr, first, o, rem, nb, bucket, sf, ma, mb, edge, BIG: tl.constexpr):
-    """``scale/s`` of the bucket of each value ``first + o``: with BIG, ``ma`` before offset
-    ``edge`` and ``mb`` from it (:func:`_bucket_split`), else a load and a division a value."""
-    if BIG:
+    """``scale/s`` of the bucket of each value ``first + o``: with BIG 2 (the program inside one
+    bucket) ``ma``; with BIG 1, ``ma`` before offset ``edge`` and ``mb`` from it
+    (:func:`_bucket_split`); else a load and a division a value."""
+    if BIG == 2:
+        return ma
+    elif BIG:
         return tl.where(o < edge, ma, mb)
     else:
         sc = tl.load(scales_ptr + _bucket_of(first, o, bucket), mask=o < rem, other=0.0)
@@ -58,12 +61,21 @@ def _trit_values(t, s, sj, first, o, rem, nb, bucket, sf, ma, mb, edge, BIG: tl.
 
 
 @_jit
+def _two_mults(sj, b0, nb, sf, BIG: tl.constexpr):
+    """``scale/s`` of buckets ``b0`` and ``b0 + 1`` (with BIG 2 only ``b0``'s is needed: both are it)."""
+    ma = tl.math.div_rn(tl.load(sj + b0), sf)
+    if BIG == 2:
+        return ma, ma
+    else:
+        return ma, tl.math.div_rn(tl.load(sj + b0 + 1, mask=b0 + 1 < nb, other=0.0), sf)
+
+
+@_jit
 def _trit_add(j: tl.constexpr, acc0, acc1, acc2, acc3, acc4, t, s, sj, first, o, rem, nb, bucket, sf, b0, edge,
               BIG: tl.constexpr):
     """Payload ``j``'s values (:func:`_trit_values`; its scales ``sj``) added to the five sums, the
     first payload's taking their place."""
-    ma = tl.math.div_rn(tl.load(sj + b0), sf)
-    mb = tl.math.div_rn(tl.load(sj + b0 + 1, mask=b0 + 1 < nb, other=0.0), sf)
+    ma, mb = _two_mults(sj, b0, nb, sf, BIG)
     d0, d1, d2, d3, d4 = _trit_values(t, s, sj, first, o, rem, nb, bucket, sf, ma, mb, edge, BIG)
     if j == 0:
         return d0, d1, d2, d3, d4
@@ -183,8 +195,7 @@ def _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first
                              + ((f6 > max_field) & (base + 6 < rem)).to(tl.int32)
                              + ((f7 > max_field) & (base + 7 < rem)).to(tl.int32))
             sj = scales_ptr + j * nb
-            ma = tl.math.div_rn(tl.load(sj + b0), sf)
-            mb = tl.math.div_rn(tl.load(sj + b0 + 1, mask=b0 + 1 < nb, other=0.0), sf)
+            ma, mb = _two_mults(sj, b0, nb, sf, BIG)
             d0 = (f0 - s).to(tl.float32) * _scale_mult(sj, first, base, rem, nb, bucket, sf, ma, mb, edge, BIG)
             d1 = (f1 - s).to(tl.float32) * _scale_mult(sj, first, base + 1, rem, nb, bucket, sf, ma, mb, edge, BIG)
             d2 = (f2 - s).to(tl.float32) * _scale_mult(sj, first, base + 2, rem, nb, bucket, sf, ma, mb, edge, BIG)
@@ -214,13 +225,17 @@ def _uniform_decode_kernel(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, n, 
     """``out = (((d_0 + d_1) + …) / M``, ``d_j = float32(field − s)·(scale_jb / s)``, and, with
     CHECK, the number of fields above ``max_field`` (trits: bytes above 242) in ``bad_ptr[program]``.
     A group of eight fields a thread (trits: four bytes a thread in whole programs whose payloads
-    are 4-byte aligned, else a byte at a time); BIG and whole programs as in
-    :func:`_uniform_encode_kernel`. WIDE: every payload's bytes are 4-byte aligned."""
+    are 4-byte aligned, else a byte at a time); BIG, a whole program inside one bucket and whole
+    programs as in :func:`_uniform_encode_kernel`. WIDE: every payload's bytes are 4-byte aligned."""
     PER: tl.constexpr = 5 * G if TRITS else 8 * G
     first, rem = _span(n, PER)
     if rem == PER:
-        _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
-                             max_field, M, W, TRITS, G, CHECK, BIG, WIDE, True)
+        if _one_bucket(first, bucket, PER, BIG):
+            _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket,
+                                 s, max_field, M, W, TRITS, G, CHECK, 2, WIDE, True)
+        else:
+            _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket,
+                                 s, max_field, M, W, TRITS, G, CHECK, BIG, WIDE, True)
     else:
         _uniform_decode_body(base_ptr, offs_ptr, scales_ptr, out_ptr, bad_ptr, first, rem, nbytes, nb, bucket, s,
                              max_field, M, W, TRITS, G, CHECK, BIG, WIDE, False)

@@ -64,7 +64,8 @@ import torch
 from . import reference
 from ._args import RngLike, _bucket, _clip, _levels_s, _nbuckets, _stream, _width
 from .triton_common import (TUNING, _bucket_of, _bucket_split, _counter_halves, _flat, _grid, _groups, _jit, _join4,
-                           _launch, _load8, _out, _pack8_tail, _span, _split4, _uniform_at, _vector, tl, triton)
+                           _launch, _load8, _one_bucket, _out, _pack8_tail, _span, _split4, _uniform_at, _vector, tl,
+                           triton)
 from .triton_moments import _moments
 # the backend's settings (tests and benchmarks read them here)
 from .triton_common import INTERPRETED, VALUE_ARGS  # noqa: F401
@@ -101,6 +102,27 @@ def _field_r(v, r, s, clip, u, CLIP: tl.constexpr = True):
     # a is never NaN here, so min() is the reference's clamp on every backend (min's NaN rule differs)
     mag = tl.minimum(a + u, s.to(tl.float32)).to(tl.int32)
     return tl.where(v < 0.0, s - mag, s + mag)
+
+
+@_jit
+def _two_recips(scales_ptr, b0, nb, s, BIG: tl.constexpr):
+    """The multipliers (:func:`_recip_s`) of buckets ``b0`` and ``b0 + 1``; with BIG 2 (the
+    program inside bucket ``b0``) only ``b0``'s, as both."""
+    ra = _recip_s(tl.load(scales_ptr + b0), s)
+    if BIG == 2:
+        return ra, ra
+    else:
+        return ra, _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+
+
+@_jit
+def _pick(o, edge, ra, rb, BIG: tl.constexpr):
+    """The multiplier of values at offsets ``o``: ``ra`` before ``edge``, ``rb`` from it; with BIG 2
+    ``ra`` for all."""
+    if BIG == 2:
+        return ra
+    else:
+        return tl.where(o < edge, ra, rb)
 
 
 @_jit
@@ -177,8 +199,7 @@ def _trits_encode_wide(x_ptr, scales_ptr, out_ptr, first, nb, bucket, s, clip, k
     o = q[:, None] * 20 + c[None, :] * 5       # [Q, 4]: the first value of each byte
     if BIG:
         b0, edge = _bucket_split(first, bucket, 5 * G)
-        ra = _recip_s(tl.load(scales_ptr + b0), s)
-        rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+        ra, rb = _two_recips(scales_ptr, b0, nb, s, BIG)
     byte = tl.zeros((Q, 4), tl.int32)
     for j in tl.static_range(4, -1, -1):   # Horner, as the byte-wise path: digit j of byte i is value 5·i + j
         if j == 0:
@@ -192,7 +213,7 @@ def _trits_encode_wide(x_ptr, scales_ptr, out_ptr, first, nb, bucket, s, clip, k
         else:
             v = _join4(x4, x9, x14, x19)
         if BIG:
-            r = tl.where(o + j < edge, ra, rb)
+            r = _pick(o + j, edge, ra, rb, BIG)
         else:
             r = _recip_s(tl.load(scales_ptr + _bucket_of(first, o + j, bucket)), s)
         byte = byte * 3 + _field_r(v, r, s, clip, _uniform_at(lo0, hi0, o + j, k1, k2, True), CLIP)
@@ -214,8 +235,7 @@ def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, buc
         base = g * 5
         if BIG:
             b0, edge = _bucket_split(first, bucket, PER)
-            ra = _recip_s(tl.load(scales_ptr + b0), s)
-            rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
+            ra, rb = _two_recips(scales_ptr, b0, nb, s, BIG)
         byte = tl.zeros((G,), tl.int32)
         for j in tl.static_range(4, -1, -1):   # Horner: t0 + 3·(t1 + 3·(t2 + …))
             o = base + j
@@ -224,7 +244,7 @@ def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, buc
             else:
                 v = tl.load(x_ptr + first + o, mask=o < rem, other=0.0)
             if BIG:
-                r = tl.where(o < edge, ra, rb)
+                r = _pick(o, edge, ra, rb, BIG)
             else:
                 r = _recip_s(tl.load(scales_ptr + _bucket_of(first, o, bucket), mask=o < rem, other=1.0), s)
             f = _field_r(v, r, s, clip, _uniform_at(lo0, hi0, o, k1, k2, FULL), CLIP)
@@ -238,16 +258,15 @@ def _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, buc
         v0, v1, v2, v3, v4, v5, v6, v7 = _load8(x_ptr + first, base, rem, FULL)
         if BIG:
             b0, edge = _bucket_split(first, bucket, PER)
-            ra = _recip_s(tl.load(scales_ptr + b0), s)
-            rb = _recip_s(tl.load(scales_ptr + b0 + 1, mask=b0 + 1 < nb, other=1.0), s)
-            r0 = tl.where(base < edge, ra, rb)
-            r1 = tl.where(base + 1 < edge, ra, rb)
-            r2 = tl.where(base + 2 < edge, ra, rb)
-            r3 = tl.where(base + 3 < edge, ra, rb)
-            r4 = tl.where(base + 4 < edge, ra, rb)
-            r5 = tl.where(base + 5 < edge, ra, rb)
-            r6 = tl.where(base + 6 < edge, ra, rb)
-            r7 = tl.where(base + 7 < edge, ra, rb)
+            ra, rb = _two_recips(scales_ptr, b0, nb, s, BIG)
+            r0 = _pick(base, edge, ra, rb, BIG)
+            r1 = _pick(base + 1, edge, ra, rb, BIG)
+            r2 = _pick(base + 2, edge, ra, rb, BIG)
+            r3 = _pick(base + 3, edge, ra, rb, BIG)
+            r4 = _pick(base + 4, edge, ra, rb, BIG)
+            r5 = _pick(base + 5, edge, ra, rb, BIG)
+            r6 = _pick(base + 6, edge, ra, rb, BIG)
+            r7 = _pick(base + 7, edge, ra, rb, BIG)
         else:
             r0 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base, bucket), mask=base < rem, other=1.0), s)
             r1 = _recip_s(tl.load(scales_ptr + _bucket_of(first, base + 1, bucket), mask=base + 1 < rem, other=1.0), s)
@@ -268,17 +287,22 @@ def _uniform_encode_kernel(x_ptr, scales_ptr, out_ptr, n, nbytes, nb, bucket, s,
     """Fields ``c + s`` of every element under its bucket's scale, packed (W bits, or trits): G
     groups of eight values (or bytes of five trits) a program, a group a thread (trits: four bytes a
     thread in whole programs into an aligned output, :func:`_trits_encode_wide`). BIG: buckets hold at least
-    a program's values, so a program reads two scales and divides twice; else every value finds its
-    bucket with a 32-bit division and divides. Whole programs run unmasked. CLIP_AT: ``clip`` points
-    at the bound (a float32 on the device) instead of holding it."""
+    a program's values, so a program reads two scales and divides twice (once, and no select a value,
+    for a whole program inside one bucket: BIG 2 in the body); else every value finds its bucket
+    with a 32-bit division and divides. Whole programs run unmasked. CLIP_AT: ``clip`` points at
+    the bound (a float32 on the device) instead of holding it."""
     PER: tl.constexpr = 5 * G if TRITS else 8 * G
     if CLIP_AT:
         clip = tl.load(clip)
     first, rem = _span(n, PER)
     lo0, hi0, nowrap = _counter_halves(ctr0, first, PER)
     if (rem == PER) & nowrap:
-        _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
-                             W, TRITS, G, BIG, CLIP, WIDE, True)
+        if _one_bucket(first, bucket, PER, BIG):   # one scale for the whole program
+            _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0,
+                                 hi0, W, TRITS, G, 2, CLIP, WIDE, True)
+        else:
+            _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0,
+                                 hi0, W, TRITS, G, BIG, CLIP, WIDE, True)
     else:
         _uniform_encode_body(x_ptr, scales_ptr, out_ptr, first, rem, nbytes, nb, bucket, s, clip, k1, k2, lo0, hi0,
                              W, TRITS, G, BIG, CLIP, WIDE, False)
