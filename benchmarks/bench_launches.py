@@ -60,6 +60,7 @@ from gradq.kernels import triton_common as C  # noqa: E402
 from gradq.kernels import triton_binary as B  # noqa: E402
 from gradq.kernels import triton_decode as D  # noqa: E402
 from gradq.kernels import triton_levels as L  # noqa: E402
+from gradq.kernels import triton_checks as CK  # noqa: E402
 from gradq.kernels import triton_moments as MO  # noqa: E402
 from gradq.kernels import triton_multiscale as M  # noqa: E402
 from gradq.kernels import triton_ops as T  # noqa: E402
@@ -179,7 +180,7 @@ def counts(fn, inputs=()) -> tuple[int, int, int, int, int, Counter]:
 
     # every module of the backend launches through its own name for _launch (triton_elias through
     # triton_common's)
-    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK)
+    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK, CK)
     reads = [0]
     tolist, cpu, witness = torch.Tensor.tolist, torch.Tensor.cpu, K.witness_is_finite
 
@@ -212,7 +213,7 @@ def host_us(fn, repeats: int = 300) -> float:
     """Median wall time of ``fn()`` in µs with every Triton launch a no-op (20 calls first)."""
     from bench_codecs import median_time
 
-    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK)
+    mods = (C, T, B, D, L, MO, M, S, X, RK, RV, TK, CK)
     real = C._launch
     for m in mods:
         m._launch = lambda *a, **kw: None

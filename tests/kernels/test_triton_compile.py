@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent('''
     from gradq.kernels import triton_moments as MO
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_crc as X
+    from gradq.kernels import triton_checks as CK
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
     from gradq.kernels import triton_randk as K
@@ -228,7 +229,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(case):
         name, sig, consts, divides = case
-        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV) if hasattr(m, name))
+        fn = next(getattr(m, name) for m in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV, CK) if hasattr(m, name))
         # at launch Triton passes an integer argument equal to 1 as a constant, unless the kernel says
         # not to (T.VALUE_ARGS): every other integer argument may be 1 (one bucket, one value...)
         ones = {a: 1 for a, t in sig.items() if t in ("i32", "i64") and a not in fn.do_not_specialize}
@@ -271,6 +272,7 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_moments as MO
     from gradq.kernels import triton_multiscale as M
     from gradq.kernels import triton_crc as X
+    from gradq.kernels import triton_checks as CK
     from gradq.kernels import triton_ops as T
     from gradq.kernels import triton_subset as S
     from gradq.kernels import triton_elias_read as R
@@ -279,7 +281,8 @@ def test_every_kernel_compiles_for_sm90_without_fma(tmp_path, full_tests):
     from gradq.kernels import triton_randk_values as KV
 
     compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
-    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV) for name in vars(mod) if name.endswith("_kernel")}
+    kernels = {name for mod in (T, L, B, D, MO, M, E, S, X, R, K, TK, KV, CK) for name in vars(mod)
+               if name.endswith("_kernel")}
     assert compiled == kernels, ("every Triton kernel must be compiled here", kernels - compiled)
 
 

@@ -271,19 +271,6 @@ def _split4(t):
 
 
 @_jit
-def _trits5(t):
-    """The five base-3 digits of bytes ``t`` (int32, 0 to 255), lowest first, as int32 (a byte above
-    242 has a fifth digit of 3). The divisions are unsigned: the bytes are never negative."""
-    u = t.to(tl.uint32)
-    q1 = u // 3
-    q2 = q1 // 3
-    q3 = q2 // 3
-    q4 = q3 // 3
-    return ((u - 3 * q1).to(tl.int32), (q1 - 3 * q2).to(tl.int32), (q2 - 3 * q3).to(tl.int32),
-            (q3 - 3 * q4).to(tl.int32), q4.to(tl.int32))
-
-
-@_jit
 def _pack8(f0, f1, f2, f3, f4, f5, f6, f7, out_ptr, g, left, W: tl.constexpr, WIDE: tl.constexpr):
     """Store groups ``g`` of eight W-bit uint32 fields as W little-endian bytes each, at ``out_ptr``
     (bytes from ``left`` on are not written). WIDE: every group is whole and ``out_ptr`` is 4-byte

@@ -19,7 +19,7 @@ import torch
 from ._args import _bucket, _levels_s, _nbuckets, _width
 from .checks import refuse_invalid
 from .triton_common import (_bucket_of, _bucket_split, _constant, _grid, _groups, _jit, _join4, _launch,
-                           _one_bucket, _out, _payload, _span, _split4, _store8, _trits5, _unpack8, _vector, tl)
+                           _one_bucket, _out, _payload, _span, _split4, _store8, _unpack8, _vector, tl)
 
 
 @_jit
@@ -45,6 +45,19 @@ def _over(a, M: tl.constexpr):
         return a * (1.0 / M)
     else:
         return tl.math.div_rn(a, tl.full(a.shape, M, tl.float32))
+
+
+@_jit
+def _trits5(t):
+    """The five base-3 digits of bytes ``t`` (int32, 0 to 255), lowest first, as int32 (a byte above
+    242 has a fifth digit of 3). The divisions are unsigned: the bytes are never negative."""
+    u = t.to(tl.uint32)
+    q1 = u // 3
+    q2 = q1 // 3
+    q3 = q2 // 3
+    q4 = q3 // 3
+    return ((u - 3 * q1).to(tl.int32), (q1 - 3 * q2).to(tl.int32), (q2 - 3 * q3).to(tl.int32),
+            (q3 - 3 * q4).to(tl.int32), q4.to(tl.int32))
 
 
 @_jit

@@ -55,7 +55,6 @@ for) reads its count of candidates. The implicit subset of the Rand-K family
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
@@ -76,6 +75,7 @@ from .triton_decode import (uniform_decode, uniform_decode_mean, uniform_decode_
                             uniform_decode_trits_mean)
 from .triton_levels import (levels_decode, levels_encode, linear_encode, linear_levels, orq_encode,  # noqa: F401
                             orq_levels)
+from .triton_checks import field_is_finite  # noqa: F401
 from .triton_moments import population_std  # noqa: F401
 from .triton_multiscale import multiscale_decode, multiscale_encode, multiscale_indices  # noqa: F401
 
@@ -389,34 +389,6 @@ def maxabs_scales(x: torch.Tensor, bucket: Optional[int], clip: Optional[float] 
             m = bits.view(torch.float32)
             torch.where(m < clip, m, clip, out=res.view(-1))
     return res
-
-
-@_jit
-def _nonfinite_kernel(bits_ptr, flags_ptr, n, EXP: tl.constexpr, BLOCK: tl.constexpr):
-    """``flags[program]`` = 1 where one of the program's BLOCK values (as bit patterns) is NaN or
-    ±Inf (every exponent bit set: ``EXP``), else 0: nothing to zero first, no atomics."""
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    b = tl.load(bits_ptr + idx, mask=idx < n, other=0)
-    tl.store(flags_ptr + tl.program_id(0), tl.max(((b & EXP) == EXP).to(tl.int32), axis=0))
-
-
-_NONFINITE_BLOCK = 4096
-#: the integer view and the exponent mask of the float types whose bits the kernel reads
-_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
-
-
-def field_is_finite(t: torch.Tensor) -> bool:
-    """Whether every value of a small float32/float64 field (a value per bucket: a payload's
-    non-finite witness) is finite: one launch and one host read of a flag per 4,096 values (no
-    reduction kernel; ``TUNING["witness_path"]`` 2). Other dtypes: ``isfinite`` of their sum."""
-    v = t.detach().reshape(-1)
-    if t.dtype not in _EXPONENT or v.numel() == 0:
-        return math.isfinite(float(v.sum()))
-    view, exp = _EXPONENT[t.dtype]
-    grid = _grid(v.numel(), _NONFINITE_BLOCK)
-    flags = torch.empty(grid[0], dtype=torch.int32, device=v.device)
-    _launch(_nonfinite_kernel, grid, v.contiguous().view(view), flags, v.numel(), EXP=exp, BLOCK=_NONFINITE_BLOCK)
-    return not any(flags.tolist())
 
 
 def l2_scales(x: torch.Tensor, bucket: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
